@@ -1,0 +1,1 @@
+"""Benchmarks and the demo; each module may add ``hvdc`` sub-commands (see cli.py)."""

@@ -1,0 +1,154 @@
+"""The unit every method implements: a *compressed allreduce*.
+
+Given this rank's gradient ``g_i`` for tensor ``name`` and a communicator,
+:meth:`Method.allreduce` returns the (approximate) average
+``(1/P) sum_i g_i`` and updates the method's per-tensor state. Horovod's
+compress/decompress pair is one special case of it (compress, dense allreduce,
+decompress); Ok-Topk's split-reduce-balance-allgatherv is another.
+
+A subclass implements :meth:`Method._reduce`, which maps an input ``x_i`` to
+``(avg, local)``:
+
+* ``avg``   -- what every rank receives, the method's estimate of avg_i x_i;
+* ``local`` -- the dense vector this rank's contribution actually carried,
+  ``C_i(x_i)`` (e.g. its own top-k entries). Error feedback needs it:
+  EF14 keeps ``e_i = x_i - local``; EF21 tracks ``local`` as ``c_i``.
+
+Error feedback (:mod:`horovod_compress.feedback`) wraps ``_reduce`` for biased
+methods; warm-up steps run a dense allreduce. Per-tensor state (step counter,
+residual, thresholds, subspaces ...) lives in ``self.state[name]`` and is what
+:meth:`state_dict` saves.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, ClassVar
+
+import numpy as np
+
+from ..feedback import Feedback, make_feedback
+from .params import check_int
+
+
+class TensorState(dict):
+    """Per-tensor state: a dict of NumPy arrays and scalars with a step counter ``t``."""
+
+    @property
+    def t(self) -> int:
+        return int(self.get("t", 0))
+
+
+class Method:
+    """Base class of every compression method (a compressed allreduce).
+
+    Class attributes a subclass sets:
+
+    * ``name`` -- the registry name (``hvdc.Compression.<name>``);
+    * ``layout`` -- ``"flat"`` (runs on fused 1-D buckets) or ``"matrix"``
+      (runs per tensor, on its 2-D view);
+    * ``biased`` -- whether error feedback applies by default;
+    * ``default_feedback`` -- the feedback used when the caller gives none;
+    * ``horovod_compatible`` -- stateless and expressible as compress, dense
+      allreduce, decompress, so it also plugs into ``hvd.DistributedOptimizer``.
+    """
+
+    name: ClassVar[str] = "base"
+    layout: ClassVar[str] = "flat"
+    biased: ClassVar[bool] = False
+    default_feedback: ClassVar[str] = "none"
+    horovod_compatible: ClassVar[bool] = False
+
+    def __init__(self, *, feedback: str | None = None, warmup_steps: int = 0,
+                 seed: int = 0, **feedback_params: Any) -> None:
+        self.warmup_steps = check_int(self.name, "warmup_steps", warmup_steps, 0)
+        self.seed = check_int(self.name, "seed", seed, 0, 2**63 - 1)
+        self.feedback: Feedback = make_feedback(
+            self.name, feedback if feedback is not None else self.default_feedback,
+            **feedback_params)
+        self.state: dict[str, TensorState] = {}
+
+    # --------------------------------------------------------------- public
+    def allreduce(self, grad: np.ndarray, name: str, comm: Any) -> np.ndarray:
+        """Return the (approximate) average of ``grad`` over ranks.
+
+        ``grad`` is this rank's gradient (any shape; float16/bfloat16 inputs
+        are computed in float32 and returned in their own dtype). ``name``
+        identifies the tensor (or fused bucket) whose state is used, and must
+        be the same on every rank. ``comm`` is a
+        :class:`~horovod_compress.mpi_collectives.Communicator`.
+        """
+        grad = np.asarray(grad)
+        in_dtype = grad.dtype
+        x = grad.astype(self._work_dtype(in_dtype), copy=False)
+        st = self.state.setdefault(name, TensorState())
+        st["t"] = st.t + 1
+        if st.t <= self.warmup_steps:
+            out = comm.allreduce(x, op="avg")
+            self.feedback.on_dense_step(x, out, st)
+        else:
+            out = self.feedback.reduce(self, x, name, comm, st)
+        return out.astype(in_dtype, copy=False) if out.dtype != in_dtype else out
+
+    def expected_bytes(self, shape: tuple[int, ...], world_size: int,
+                       itemsize: int = 4) -> float | None:
+        """Bytes this method should send per rank per step for a tensor of ``shape``.
+
+        Returns ``None`` where the count depends on the data (e.g. fill-in);
+        benchmarks compare the measured count with this formula.
+        """
+        return None
+
+    def config(self) -> dict[str, Any]:
+        """The constructor arguments that define this method (for logs and checkpoints)."""
+        return {"name": self.name, "seed": self.seed, "warmup_steps": self.warmup_steps,
+                "feedback": self.feedback.name, **self.params()}
+
+    def params(self) -> dict[str, Any]:
+        """Method-specific hyperparameters; subclasses extend."""
+        return {}
+
+    # --------------------------------------------------------- subclass API
+    def _reduce(self, x: np.ndarray, name: str, comm: Any,
+                state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+        """Compressed allreduce of ``x``: return ``(avg over ranks, local contribution)``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _reduce")
+
+    @staticmethod
+    def _work_dtype(dtype: np.dtype) -> np.dtype:
+        return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+    def rng(self, name: str, step: int, purpose: str = "") -> np.random.Generator:
+        """A generator every rank derives identically from (seed, name, step, purpose).
+
+        This is how shared randomness is had without a message (ALGORITHMS.md).
+        """
+        digest = hashlib.blake2b(f"{self.seed}|{name}|{step}|{purpose}".encode(),
+                                 digest_size=16).digest()
+        return np.random.Generator(np.random.Philox(int.from_bytes(digest, "little")))
+
+    def local_rng(self, name: str, step: int, rank: int, purpose: str = "") -> np.random.Generator:
+        """A generator private to ``rank`` (stochastic rounding), still reproducible."""
+        return self.rng(name, step, f"{purpose}|rank{rank}")
+
+    # ---------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: config plus per-tensor state (NumPy copies)."""
+        return {
+            "config": self.config(),
+            "state": {n: {k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else v)
+                          for k, v in st.items()} for n, st in self.state.items()},
+        }
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output; refuses a checkpoint of another method."""
+        cfg = sd.get("config", {})
+        if cfg.get("name") != self.name:
+            raise ValueError(f"checkpoint holds compressor state of {cfg.get('name')!r}, "
+                             f"not {self.name!r}")
+        self.state = {n: TensorState({k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else v)
+                                      for k, v in st.items()})
+                      for n, st in sd.get("state", {}).items()}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "name")
+        return f"Compression.{self.name}({args})"

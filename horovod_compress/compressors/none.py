@@ -1,0 +1,38 @@
+"""``none``: the dense allreduce every paper compares against.
+
+avg = (1/P) * sum_i x_i, computed as MPI_Allreduce(SUM) then a division by P in
+the gradient's dtype -- bit for bit what a plain MPI allreduce gives.
+Volume: 2N(P-1)/P bytes per rank for N bytes (ring allreduce).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .base import Method, TensorState
+from .registry import register
+
+
+@register
+class NoCompression(Method):
+    """Dense allreduce (no compression)."""
+
+    name = "none"
+    horovod_compatible = True
+
+    def __init__(self, *, seed: int = 0) -> None:
+        super().__init__(seed=seed)
+
+    def _reduce(self, x: np.ndarray, name: str, comm: Any,
+                state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+        return comm.allreduce(x, op="avg"), x
+
+    def expected_bytes(self, shape: tuple[int, ...], world_size: int, itemsize: int = 4) -> float:
+        n = int(np.prod(shape))
+        return 2.0 * n * itemsize * (world_size - 1) / world_size
+
+    @staticmethod
+    def _work_dtype(dtype: np.dtype) -> np.dtype:
+        return np.dtype(dtype) if np.issubdtype(dtype, np.floating) and dtype.itemsize >= 4 \
+            else np.dtype(np.float32)

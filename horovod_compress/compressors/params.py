@@ -1,0 +1,56 @@
+"""Argument checks shared by every method's constructor.
+
+Each check raises ``ValueError`` naming the argument and the allowed range, so
+bad configuration fails before any communication starts (DESIGN.md).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+
+def check_float(method: str, name: str, value: Any, low: float | None = None,
+                high: float | None = None, *, low_open: bool = False,
+                high_open: bool = False) -> float:
+    """Return ``value`` as float, or raise if it is not a finite number in range."""
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{method}: {name} must be a number, got {value!r}") from None
+    lo_ok = low is None or (v > low if low_open else v >= low)
+    hi_ok = high is None or (v < high if high_open else v <= high)
+    if not math.isfinite(v) or not (lo_ok and hi_ok):
+        lo = "-inf" if low is None else f"{low}"
+        hi = "inf" if high is None else f"{high}"
+        raise ValueError(f"{method}: {name} must be in {'(' if low_open else '['}{lo}, "
+                         f"{hi}{')' if high_open else ']'}, got {value!r}")
+    return v
+
+
+def check_int(method: str, name: str, value: Any, low: int | None = None,
+              high: int | None = None) -> int:
+    """Return ``value`` as int, or raise if it is not an integer in ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, (int,)) and not (
+            isinstance(value, float) and value.is_integer()):
+        try:
+            import numpy as np
+            if isinstance(value, np.integer):
+                value = int(value)
+            else:
+                raise TypeError
+        except TypeError:
+            raise ValueError(f"{method}: {name} must be an integer, got {value!r}") from None
+    v = int(value)
+    if (low is not None and v < low) or (high is not None and v > high):
+        lo = "-inf" if low is None else low
+        hi = "inf" if high is None else high
+        raise ValueError(f"{method}: {name} must be an integer in [{lo}, {hi}], got {value!r}")
+    return v
+
+
+def check_choice(method: str, name: str, value: Any, choices: Iterable[Any]) -> Any:
+    """Return ``value`` if it is one of ``choices``, else raise listing them."""
+    options = list(choices)
+    if value not in options:
+        raise ValueError(f"{method}: {name} must be one of {options}, got {value!r}")
+    return value

@@ -1,0 +1,97 @@
+"""``randk`` -- Rand-K with indices from a seed shared by all ranks.
+
+At step t every rank draws the same k = density * n indices I_t from
+``rng(seed, name, t)`` (no message spent on them), so a plain allreduce of the
+k values suffices:
+
+    avg[I_t] = (1/P) * sum_i x_i[I_t],  avg = 0 elsewhere
+
+Volume: a ring allreduce of k words, 2k(P-1)/P words per rank. With
+``unbiased=True`` the result is scaled by n/k (E[avg] = true average, the
+classic unbiased Rand-K, no feedback by default); otherwise it is the biased
+"random sparsification" used with error feedback (default ``residual``).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .base import Method, TensorState
+from .registry import register
+from .sparse_common import check_density, k_from_density
+
+
+def shared_random_indices(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    """k distinct indices in [0, n), sorted, from ``rng`` (identical on every rank)."""
+    if k >= n:
+        return np.arange(n)
+    return np.sort(rng.choice(n, size=k, replace=False))
+
+
+@register
+class RandK(Method):
+    """Shared-seed Rand-K."""
+
+    name = "randk"
+    biased = True
+    default_feedback = "residual"
+    horovod_compatible = True
+
+    def __init__(self, *, density: float = 0.01, unbiased: bool = False,
+                 feedback: str | None = None, warmup_steps: int = 0, seed: int = 0,
+                 **feedback_params: Any) -> None:
+        self.density = check_density(self.name, density)
+        if not isinstance(unbiased, (bool, np.bool_)):
+            raise ValueError(f"randk: unbiased must be True or False, got {unbiased!r}")
+        self.unbiased = bool(unbiased)
+        if feedback is None and self.unbiased:
+            feedback = "none"
+        super().__init__(feedback=feedback, warmup_steps=warmup_steps, seed=seed,
+                         **feedback_params)
+        self._horovod_calls: dict[tuple, int] = {}
+
+    def params(self) -> dict[str, Any]:
+        return {"density": self.density, "unbiased": self.unbiased, **self.feedback.params()}
+
+    def indices(self, name: str, step: int, n: int) -> np.ndarray:
+        """The shared index set I_t of tensor ``name`` at ``step``."""
+        return shared_random_indices(self.rng(name, step, "randk"), n,
+                                     k_from_density(self.name, self.density, n))
+
+    def _reduce(self, x: np.ndarray, name: str, comm: Any,
+                state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+        flat = x.reshape(-1)
+        idx = self.indices(name, state.t, flat.size)
+        vals = comm.allreduce(np.ascontiguousarray(flat[idx]), op="avg")
+        scale = flat.dtype.type(flat.size / max(idx.size, 1)) if self.unbiased else None
+        avg = np.zeros_like(flat)
+        avg[idx] = vals * scale if scale is not None else vals
+        local = np.zeros_like(flat)
+        local[idx] = flat[idx] * scale if scale is not None else flat[idx]
+        return avg.reshape(x.shape), local.reshape(x.shape)
+
+    def expected_bytes(self, shape: tuple[int, ...], world_size: int, itemsize: int = 4) -> float:
+        k = k_from_density(self.name, self.density, int(np.prod(shape)))
+        return 2.0 * k * itemsize * (world_size - 1) / world_size
+
+    # Horovod's Compressor protocol: compress -> Horovod's dense allreduce -> decompress.
+    def compress(self, tensor: Any) -> tuple[Any, Any]:
+        """Select the shared indices of this tensor (seeded by its shape and call count).
+
+        Horovod passes no tensor name to ``compress``, so the shared seed is
+        derived from the shape and how many times a tensor of that shape was
+        compressed: identical on every rank as long as every rank compresses
+        the same tensors in the same order, which Horovod's optimizer does.
+        """
+        from ..horovod_compat import compress_select
+        key = tuple(tensor.shape)
+        step = self._horovod_calls.get(key, 0) + 1
+        self._horovod_calls[key] = step
+        n = int(np.prod(key)) if key else 1
+        idx = self.indices(f"horovod{key}", step, n)
+        return compress_select(tensor, idx, n / max(idx.size, 1) if self.unbiased else 1.0)
+
+    def decompress(self, tensor: Any, ctx: Any) -> Any:
+        from ..horovod_compat import decompress_select
+        return decompress_select(tensor, ctx)

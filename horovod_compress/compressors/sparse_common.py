@@ -1,0 +1,54 @@
+"""Helpers shared by the sparsifying methods: k from a density, exact top-k, COO packing.
+
+A COO message is one float32 buffer of 2k words: k int32 indices reinterpreted
+as float32 bit patterns, followed by k float32 values -- the "(index, value)
+pairs" of the papers' volume tables (2 words per selected entry).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .params import check_float
+
+
+def k_from_density(method: str, density: float, n: int) -> int:
+    """k = max(1, round(density * n)) capped at n (n = 0 gives 0)."""
+    if n == 0:
+        return 0
+    return int(min(n, max(1, round(density * n))))
+
+
+def check_density(method: str, density: float) -> float:
+    return check_float(method, "density", density, 0.0, 1.0, low_open=True)
+
+
+def topk_indices(x: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k largest |x| (unordered, int64); exact, O(n) via introselect."""
+    n = x.size
+    if k >= n:
+        return np.arange(n)
+    if k <= 0:
+        return np.empty(0, dtype=np.int64)
+    return np.argpartition(np.abs(x), n - k)[n - k:]
+
+
+def pack_coo(indices: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """One float32 buffer [indices as int32 bits | values]."""
+    k = indices.size
+    buf = np.empty(2 * k, dtype=np.float32)
+    buf[:k] = indices.astype(np.int32).view(np.float32)
+    buf[k:] = values
+    return buf
+
+
+def unpack_coo(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of :func:`pack_coo`."""
+    k = buf.size // 2
+    return np.ascontiguousarray(buf[:k]).view(np.int32), buf[k:]
+
+
+def scatter_sum(n: int, indices: np.ndarray, values: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Dense length-n vector with ``values`` summed at ``indices`` (duplicates add)."""
+    if indices.size == 0:
+        return np.zeros(n, dtype=dtype)
+    return np.bincount(indices, weights=values, minlength=n).astype(dtype, copy=False)

@@ -1,0 +1,65 @@
+"""``topk`` -- TopkA: local top-k, allgather of (index, value) pairs, local sum.
+
+Each rank selects the k = density * n entries of largest magnitude of its
+input x_i (Ok-Topk paper, Table 1, "TopkA"; Renggli et al.'s SparCML
+allgather variant). All ranks allgather the 2k-word COO messages and sum:
+
+    avg = (1/P) * sum_i Topk(x_i)
+
+Volume per rank: 2k(P-1) words received (and sent, ring allgather), which
+grows linearly with P -- the problem Ok-Topk solves. Biased, so the default
+feedback is ``residual`` (EF14): what was not sent stays in e_i.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .base import Method, TensorState
+from .registry import register
+from .sparse_common import (check_density, k_from_density, pack_coo, scatter_sum,
+                            topk_indices, unpack_coo)
+
+
+@register
+class TopkA(Method):
+    """Local top-k + allgather (TopkA)."""
+
+    name = "topk"
+    biased = True
+    default_feedback = "residual"
+
+    def __init__(self, *, density: float = 0.01, feedback: str | None = None,
+                 warmup_steps: int = 0, seed: int = 0, **feedback_params: Any) -> None:
+        self.density = check_density(self.name, density)
+        super().__init__(feedback=feedback, warmup_steps=warmup_steps, seed=seed,
+                         **feedback_params)
+
+    def params(self) -> dict[str, Any]:
+        return {"density": self.density, **self.feedback.params()}
+
+    def select(self, x: np.ndarray) -> np.ndarray:
+        """Indices this rank sends (its local top-k of |x|)."""
+        return topk_indices(x, k_from_density(self.name, self.density, x.size))
+
+    def _reduce(self, x: np.ndarray, name: str, comm: Any,
+                state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+        flat = x.reshape(-1)
+        idx = self.select(flat)
+        gathered = comm.allgather(pack_coo(idx, flat[idx]))  # (P, 2k) words
+        k = idx.size
+        all_idx = np.ascontiguousarray(gathered[:, :k]).view(np.int32).reshape(-1)
+        all_val = gathered[:, k:].reshape(-1)
+        total = scatter_sum(flat.size, all_idx, all_val.astype(np.float64), flat.dtype)
+        avg = (total / flat.dtype.type(comm.size)).reshape(x.shape)
+        local = np.zeros_like(flat)
+        local[idx] = flat[idx]
+        return avg, local.reshape(x.shape)
+
+    def expected_bytes(self, shape: tuple[int, ...], world_size: int, itemsize: int = 4) -> float:
+        k = k_from_density(self.name, self.density, int(np.prod(shape)))
+        return float(2 * k * itemsize * (world_size - 1))
+
+
+__all__ = ["TopkA", "unpack_coo"]

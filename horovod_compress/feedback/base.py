@@ -1,0 +1,62 @@
+"""Error feedback, written once for every biased method.
+
+A feedback scheme decides what a method compresses and what the optimizer
+receives. It calls ``method._reduce(x, name, comm, state) -> (avg, local)``
+(see :mod:`horovod_compress.compressors.base`) on the vector of its choice and
+keeps its own per-tensor memory in the method's ``TensorState`` under keys
+starting with ``fb_`` (so it is checkpointed with the method).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, ClassVar
+
+import numpy as np
+
+_REGISTRY: dict[str, Callable[..., "Feedback"]] = {}
+
+
+def register_feedback(cls: type["Feedback"]) -> type["Feedback"]:
+    """Class decorator: make a scheme available as ``feedback=<cls.name>``."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available_feedback() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def make_feedback(method: str, name: str, **params: Any) -> "Feedback":
+    """Build feedback scheme ``name``; ``ValueError`` names a bad scheme or parameter."""
+    if name not in _REGISTRY:
+        raise ValueError(f"{method}: feedback must be one of {available_feedback()}, got {name!r}")
+    cls = _REGISTRY[name]
+    allowed = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "method")]
+    for key in params:
+        if key not in allowed:
+            hint = f" (feedback {name!r} takes {allowed})" if allowed else ""
+            raise ValueError(f"{method}: unknown parameter {key!r}{hint}")
+    return cls(method=method, **params)
+
+
+class Feedback:
+    """Base class: no memory at all (``feedback="none"``)."""
+
+    name: ClassVar[str] = "none"
+
+    def __init__(self, method: str = "") -> None:
+        self.method = method
+
+    def reduce(self, method: Any, x: np.ndarray, name: str, comm: Any, state: dict) -> np.ndarray:
+        """Return what the optimizer receives for input ``x`` (the average estimate)."""
+        avg, _local = method._reduce(x, name, comm, state)
+        return avg
+
+    def on_dense_step(self, x: np.ndarray, avg: np.ndarray, state: dict) -> None:
+        """Called after a dense (warm-up) step; schemes with trackers sync them here."""
+
+    def params(self) -> dict[str, Any]:
+        return {}
+
+
+register_feedback(Feedback)

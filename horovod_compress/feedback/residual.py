@@ -1,0 +1,32 @@
+"""EF14 residual accumulation (Seide et al. 2014; Ok-Topk's Algorithm 2, lines 3-6).
+
+Per rank and tensor:  acc_i = x_i + e_i;  (avg, local_i) = reduce(acc_i);
+e_i = acc_i - local_i, where ``local_i`` is the part of ``acc_i`` this rank's
+message carried (its selected entries). Nothing is lost: ``acc_i = e_i +
+local_i`` exactly, and the optimizer receives ``avg``.
+
+The learning rate is *not* folded into the residual (Ok-Topk's paper does
+``acc = eps + lr * g``); we accumulate raw gradients and let the wrapped
+optimizer apply ``lr``, which is the same for plain SGD with a constant rate
+and works with any optimizer.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .base import Feedback, register_feedback
+
+
+@register_feedback
+class ResidualFeedback(Feedback):
+    name = "residual"
+
+    def reduce(self, method: Any, x: np.ndarray, name: str, comm: Any, state: dict) -> np.ndarray:
+        e = state.get("fb_residual")
+        acc = x + e if e is not None and e.shape == x.shape else x.copy()
+        avg, local = method._reduce(acc, name, comm, state)
+        np.subtract(acc, local, out=acc)
+        state["fb_residual"] = acc
+        return avg

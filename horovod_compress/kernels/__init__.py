@@ -1,0 +1,1 @@
+"""Hot loops. Each module holds one family of kernels; see docs/architecture.md."""

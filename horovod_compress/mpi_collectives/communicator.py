@@ -1,0 +1,332 @@
+"""The MPI communicator every method talks through, with exact byte accounting.
+
+Byte accounting follows the volume model of the Ok-Topk paper (Table 1), so a
+measured count compares directly with the papers' formulas:
+
+* point-to-point and ``alltoallv`` count exactly the bytes sent and received
+  (a rank's message to itself is free);
+* a collective counts what its bandwidth-optimal algorithm moves per rank:
+  ``allreduce`` of N bytes is ``2N(P-1)/P`` each way (reduce-scatter +
+  allgather ring), ``allgather(v)`` receives every other rank's part and sends,
+  in a ring, everything except its successor's part, ``broadcast`` of N bytes
+  is N sent by the root and N received by every other rank.
+
+Counters are kept in total and per operation (and per *phase*, a label a
+method sets with :meth:`Communicator.phase`), so a benchmark can report the
+volume of, e.g., Ok-Topk's split-and-reduce separately from its allgatherv.
+"""
+from __future__ import annotations
+
+import contextlib
+import pickle
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence, Union
+
+import numpy as np
+from mpi4py import MPI
+
+OpLike = Union[str, MPI.Op]
+
+_NAMED_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD,
+              "avg": MPI.SUM, "average": MPI.SUM}
+
+
+@dataclass
+class OpStats:
+    """Calls and bytes of one kind of operation (or one phase) on this rank."""
+
+    calls: int = 0
+    sent: float = 0.0
+    received: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"calls": self.calls, "sent": self.sent, "received": self.received}
+
+
+@dataclass
+class _Stats:
+    sent: float = 0.0
+    received: float = 0.0
+    by_op: dict[str, OpStats] = field(default_factory=dict)
+    by_phase: dict[str, OpStats] = field(default_factory=dict)
+
+
+def _contiguous(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array)
+
+
+class Request:
+    """A pending non-blocking operation; :meth:`wait` returns its result."""
+
+    def __init__(self, mpi_request: MPI.Request, result: Any = None,
+                 on_complete: Callable[[], Any] | None = None) -> None:
+        self._req = mpi_request
+        self._result = result
+        self._on_complete = on_complete
+        self._done = False
+
+    def wait(self) -> Any:
+        if not self._done:
+            self._req.Wait()
+            self._done = True
+            if self._on_complete is not None:
+                self._result = self._on_complete()
+        return self._result
+
+    def test(self) -> bool:
+        if not self._done and self._req.Test():
+            self._done = True
+            if self._on_complete is not None:
+                self._result = self._on_complete()
+        return self._done
+
+    @staticmethod
+    def wait_all(requests: Sequence["Request"]) -> list[Any]:
+        MPI.Request.Waitall([r._req for r in requests if not r._done])
+        out = []
+        for r in requests:
+            if not r._done:
+                r._done = True
+                if r._on_complete is not None:
+                    r._result = r._on_complete()
+            out.append(r._result)
+        return out
+
+
+class Communicator:
+    """mpi4py communicator on NumPy buffers with per-rank byte accounting.
+
+    ``Communicator()`` wraps ``MPI.COMM_WORLD``; pass any mpi4py
+    intracommunicator to wrap another. All methods take and return NumPy
+    arrays (contiguous copies are made where needed); results are new arrays
+    unless a method says it works in place.
+    """
+
+    def __init__(self, comm: MPI.Intracomm | None = None) -> None:
+        self.comm: MPI.Intracomm = comm if comm is not None else MPI.COMM_WORLD
+        self.rank: int = self.comm.Get_rank()
+        self.size: int = self.comm.Get_size()
+        self._stats = _Stats()
+        self._phase: str | None = None
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ stats
+    @property
+    def bytes_sent(self) -> float:
+        """Cumulative bytes this rank sent under the volume model."""
+        return self._stats.sent
+
+    @property
+    def bytes_received(self) -> float:
+        """Cumulative bytes this rank received under the volume model."""
+        return self._stats.received
+
+    def stats(self) -> dict[str, Any]:
+        """Totals plus per-operation and per-phase breakdowns (plain dicts)."""
+        with self._lock:
+            return {
+                "sent": self._stats.sent,
+                "received": self._stats.received,
+                "by_op": {k: v.as_dict() for k, v in self._stats.by_op.items()},
+                "by_phase": {k: v.as_dict() for k, v in self._stats.by_phase.items()},
+            }
+
+    def reset_stats(self) -> None:
+        """Zero every counter."""
+        with self._lock:
+            self._stats = _Stats()
+
+    @contextlib.contextmanager
+    def phase(self, label: str) -> Iterator[None]:
+        """Attribute the bytes of the enclosed calls to ``label`` as well."""
+        previous, self._phase = self._phase, label
+        try:
+            yield
+        finally:
+            self._phase = previous
+
+    def _account(self, op: str, sent: float, received: float) -> None:
+        with self._lock:
+            self._stats.sent += sent
+            self._stats.received += received
+            entry = self._stats.by_op.setdefault(op, OpStats())
+            entry.calls += 1
+            entry.sent += sent
+            entry.received += received
+            if self._phase is not None:
+                ph = self._stats.by_phase.setdefault(self._phase, OpStats())
+                ph.calls += 1
+                ph.sent += sent
+                ph.received += received
+
+    # ------------------------------------------------------------ collectives
+    def _allreduce_volume(self, nbytes: int) -> float:
+        p = self.size
+        return 2.0 * nbytes * (p - 1) / p
+
+    def allreduce(self, array: np.ndarray, op: OpLike = "sum") -> np.ndarray:
+        """Elementwise reduction over ranks; ``op`` is sum/max/min/prod/avg or an ``MPI.Op``.
+
+        ``avg`` sums then divides by P in the array's dtype (floats only).
+        Counts ``2N(P-1)/P`` bytes each way for N bytes.
+        """
+        send = _contiguous(array)
+        mpi_op = _NAMED_OPS[op] if isinstance(op, str) else op
+        if isinstance(op, str) and op not in _NAMED_OPS:
+            raise ValueError(f"op must be one of {sorted(_NAMED_OPS)} or an MPI.Op, got {op!r}")
+        out = np.empty_like(send)
+        self.comm.Allreduce(send, out, op=mpi_op)
+        vol = self._allreduce_volume(send.nbytes)
+        self._account("allreduce", vol, vol)
+        if op in ("avg", "average"):
+            if not np.issubdtype(out.dtype, np.floating):
+                raise ValueError("op='avg' needs a floating-point array")
+            out /= out.dtype.type(self.size)
+        return out
+
+    def iallreduce(self, array: np.ndarray, op: OpLike = "sum") -> Request:
+        """Non-blocking :meth:`allreduce`; ``wait()`` returns the reduced array."""
+        send = _contiguous(array)
+        mpi_op = _NAMED_OPS[op] if isinstance(op, str) else op
+        out = np.empty_like(send)
+        req = self.comm.Iallreduce(send, out, op=mpi_op)
+        vol = self._allreduce_volume(send.nbytes)
+        self._account("allreduce", vol, vol)
+        size = self.size
+
+        def finish() -> np.ndarray:
+            if op in ("avg", "average"):
+                out.__itruediv__(out.dtype.type(size))
+            return out
+
+        req_obj = Request(req, on_complete=finish)
+        req_obj._keep = send  # keep the send buffer alive until completion
+        return req_obj
+
+    def allgather(self, array: np.ndarray) -> np.ndarray:
+        """Gather equal-shaped arrays: returns shape ``(P, *array.shape)``."""
+        send = _contiguous(array)
+        out = np.empty((self.size,) + send.shape, dtype=send.dtype)
+        self.comm.Allgather(send, out)
+        n = send.nbytes
+        self._account("allgather", n * (self.size - 1), n * (self.size - 1))
+        return out
+
+    def allgatherv(self, array: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Gather 1-D arrays of different lengths.
+
+        Returns ``(concatenated, counts)`` where ``counts[j]`` is rank j's
+        length; rank j's part is ``concatenated[offsets[j]:offsets[j+1]]``.
+        Counts the exchange of lengths (an allgather of one int64) as well.
+        """
+        send = _contiguous(array).reshape(-1)
+        counts = self.allgather(np.array([send.size], dtype=np.int64)).reshape(-1)
+        displs = np.zeros(self.size, dtype=np.int64)
+        np.cumsum(counts[:-1], out=displs[1:])
+        out = np.empty(int(counts.sum()), dtype=send.dtype)
+        self.comm.Allgatherv(send, [out, counts, displs, MPI._typedict[send.dtype.char]])
+        item = send.dtype.itemsize
+        total = int(counts.sum()) * item
+        received = total - send.size * item
+        successor = int(counts[(self.rank + 1) % self.size]) * item
+        sent = total - successor if self.size > 1 else 0
+        self._account("allgatherv", sent, received)
+        return out, counts
+
+    def alltoallv(self, chunks: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Send ``chunks[j]`` (1-D, same dtype) to rank j; return what each rank sent here."""
+        if len(chunks) != self.size:
+            raise ValueError(f"alltoallv needs {self.size} chunks, got {len(chunks)}")
+        dtype = np.result_type(*[np.asarray(c).dtype for c in chunks])
+        parts = [np.ascontiguousarray(c, dtype=dtype).reshape(-1) for c in chunks]
+        send_counts = np.array([p.size for p in parts], dtype=np.int64)
+        recv_counts = np.empty_like(send_counts)
+        self.comm.Alltoall(send_counts, recv_counts)
+        send = np.concatenate(parts) if parts else np.empty(0, dtype)
+        sdispl = np.zeros(self.size, np.int64)
+        np.cumsum(send_counts[:-1], out=sdispl[1:])
+        rdispl = np.zeros(self.size, np.int64)
+        np.cumsum(recv_counts[:-1], out=rdispl[1:])
+        recv = np.empty(int(recv_counts.sum()), dtype=dtype)
+        mpitype = MPI._typedict[dtype.char]
+        self.comm.Alltoallv([send, send_counts, sdispl, mpitype], [recv, recv_counts, rdispl, mpitype])
+        item = dtype.itemsize
+        others = np.arange(self.size) != self.rank
+        sent = float(send_counts[others].sum() * item + 8 * (self.size - 1))
+        received = float(recv_counts[others].sum() * item + 8 * (self.size - 1))
+        self._account("alltoallv", sent, received)
+        return [recv[rdispl[j]:rdispl[j] + recv_counts[j]] for j in range(self.size)]
+
+    def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
+        """Broadcast in place from ``root`` (``array`` must be contiguous); returns it."""
+        if not array.flags.c_contiguous:
+            raise ValueError("broadcast works in place and needs a C-contiguous array")
+        self.comm.Bcast(array, root=root)
+        if self.size > 1:
+            if self.rank == root:
+                self._account("broadcast", array.nbytes, 0)
+            else:
+                self._account("broadcast", 0, array.nbytes)
+        return array
+
+    def broadcast_object(self, obj: Any, root: int = 0) -> Any:
+        """Broadcast a picklable object; bytes counted as its pickled size."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == root else None
+        data = self.comm.bcast(data, root=root)
+        if self.size > 1:
+            self._account("broadcast", len(data) if self.rank == root else 0,
+                          0 if self.rank == root else len(data))
+        return pickle.loads(data)
+
+    def allgather_object(self, obj: Any) -> list[Any]:
+        """Allgather picklable objects (used for checks, not for gradients)."""
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        parts = self.comm.allgather(data)
+        received = sum(len(p) for j, p in enumerate(parts) if j != self.rank)
+        self._account("allgather_object", len(data) * (self.size - 1), received)
+        return [pickle.loads(p) for p in parts]
+
+    def barrier(self) -> None:
+        self.comm.Barrier()
+
+    # -------------------------------------------------------- point-to-point
+    def isend(self, array: np.ndarray, dest: int, tag: int = 0) -> Request:
+        """Non-blocking send of a NumPy array (any length) to ``dest``."""
+        send = _contiguous(array)
+        req = self.comm.Isend(send, dest=dest, tag=tag)
+        if dest != self.rank:
+            self._account("p2p", send.nbytes, 0)
+        r = Request(req)
+        r._keep = send
+        return r
+
+    def recv(self, source: int, tag: int = 0, dtype: Any = np.float32) -> np.ndarray:
+        """Blocking receive of a message of unknown length (matched probe)."""
+        status = MPI.Status()
+        msg = self.comm.Mprobe(source=source, tag=tag, status=status)
+        dt = np.dtype(dtype)
+        nbytes = status.Get_count(MPI.BYTE)
+        out = np.empty(nbytes // dt.itemsize, dtype=dt)
+        msg.Recv(out)
+        if source != self.rank:
+            self._account("p2p", 0, nbytes)
+        return out
+
+    def irecv(self, buffer: np.ndarray, source: int, tag: int = 0) -> Request:
+        """Non-blocking receive into a preallocated ``buffer`` of known size."""
+        req = self.comm.Irecv(buffer, source=source, tag=tag)
+        if source != self.rank:
+            self._account("p2p", 0, buffer.nbytes)
+        return Request(req, result=buffer)
+
+    def sendrecv(self, array: np.ndarray, dest: int, source: int, tag: int = 0,
+                 dtype: Any = None) -> np.ndarray:
+        """Send to ``dest`` while receiving a message of unknown length from ``source``."""
+        req = self.isend(array, dest, tag)
+        out = self.recv(source, tag, dtype=dtype if dtype is not None else array.dtype)
+        req.wait()
+        return out
+
+    def __repr__(self) -> str:
+        return f"Communicator(rank={self.rank}, size={self.size})"
