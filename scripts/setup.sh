@@ -33,7 +33,8 @@ if [ ! -x "$venv/bin/python" ]; then
   fi
 fi
 py="$venv/bin/python"
-pip() { "$py" -m pip --disable-pip-version-check -q "$@"; }
+# (this machine's pip config names local indexes that may be absent: hide those warnings)
+pip() { "$py" -m pip --disable-pip-version-check -q "$@" 2> >(grep -v 'is ignored: it is neither' >&2); }
 
 # 3. Pinned dependencies (torch pinned: a plain 'torch' pulls a multi-GB CUDA build).
 req="$root/scripts/requirements.txt"
@@ -76,7 +77,7 @@ if [ "${HVDC_SKIP_HOROVOD:-0}" != 1 ] && ! horovod_works; then
   fi
   log "installing Horovod from $wheeldir"
   pip install --no-deps --force-reinstall "$wheeldir"/horovod-*.whl
-  pip install cloudpickle psutil pyyaml
+  pip install cloudpickle psutil pyyaml cffi
   horovod_works || { log "Horovod installed but hvd.init()/allreduce failed"; exit 1; }
 fi
 log "ready: $venv (source .venv/bin/activate)"

@@ -1,0 +1,207 @@
+"""``DistributedOptimizer``: Horovod's signature, our compressed allreduce underneath.
+
+The returned object is an instance of a subclass of the wrapped optimizer's
+class (as Horovod does), so ``isinstance(opt, torch.optim.SGD)`` still holds
+and schedulers work. Each parameter gets a post-accumulate-grad hook: after
+``backward_passes_per_step`` backward passes its gradient is handed to a
+:class:`~horovod_compress.runtime.GradientExchange`, which launches fused
+buckets while the backward pass goes on; ``step()`` (or ``synchronize()``)
+waits, writes the averaged gradients into ``p.grad`` and steps.
+
+Compressor state (residuals, thresholds, subspaces, step counters) is part of
+``state_dict()`` under the key ``"hvdc"`` and restored by ``load_state_dict``.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from ..compressors.base import Method
+from ..runtime.buckets import DEFAULT_BUCKET_BYTES, TensorSpec
+from ..runtime.engine import GradientExchange
+from . import world
+from .tensors import copy_into, numpy_dtype_name, to_numpy
+
+Average = "average"
+Sum = "sum"
+
+
+def _op_name(op: Any) -> str:
+    text = str(op).lower()
+    if text in ("average", "avg") or text.endswith("average"):
+        return Average
+    if text == "sum" or text.endswith("sum"):
+        return Sum
+    raise ValueError(f"op must be Average or Sum, got {op!r}")
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    def __init__(self, params: Any, named_parameters: Any, compression: Method,
+                 backward_passes_per_step: int = 1, op: Any = Average,
+                 gradient_predivide_factor: float = 1.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 overlap: bool = True, comm: Any = None) -> None:
+        super(self.__class__, self).__init__(params)
+        if not isinstance(compression, Method):
+            raise ValueError("compression must be a hvdc.Compression.<method>(...) object, "
+                             f"got {type(compression).__name__}")
+        if int(backward_passes_per_step) < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+        if gradient_predivide_factor <= 0:
+            raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
+        self._hvdc_method = compression
+        self._hvdc_comm = comm if comm is not None else world.communicator()
+        self._hvdc_op = _op_name(op)
+        self._hvdc_predivide = float(gradient_predivide_factor)
+        self.backward_passes_per_step = int(backward_passes_per_step)
+
+        all_params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
+        if named_parameters is not None:
+            named = list(named_parameters)
+            if any(not isinstance(t, tuple) or len(t) != 2 for t in named):
+                raise ValueError("named_parameters must be (name, parameter) pairs, "
+                                 "e.g. model.named_parameters()")
+            names = {id(p): n for n, p in named}
+            missing = [p for p in all_params if id(p) not in names]
+            if missing:
+                raise ValueError(f"{len(missing)} optimized parameter(s) are not in named_parameters")
+            seen = [n for n, _ in named]
+            if len(set(seen)) != len(seen):
+                raise ValueError("named_parameters contains duplicate names")
+        else:
+            names = {id(p): f"param.{i}" for i, p in enumerate(all_params)}
+        self._hvdc_params = all_params
+        self._hvdc_names = names
+        # Gradients become ready roughly in reverse registration order.
+        specs = [TensorSpec(names[id(p)], tuple(p.shape), numpy_dtype_name(p))
+                 for p in reversed(all_params)]
+        self._hvdc_exchange = GradientExchange(compression, self._hvdc_comm, specs,
+                                               bucket_bytes=bucket_bytes, overlap=overlap)
+        self._hvdc_passes = {id(p): 0 for p in all_params}
+        self._hvdc_synchronized = False
+        self._hvdc_skip_sync = False
+        self_ref = weakref.ref(self)
+
+        def hook(p: torch.Tensor) -> None:  # a weak reference: a dropped optimizer unhooks
+            opt = self_ref()
+            if opt is not None:
+                opt._hvdc_hook(p)
+
+        self._hvdc_hooks = [p.register_post_accumulate_grad_hook(hook) for p in all_params]
+
+    # ------------------------------------------------------------- hooks
+    def _hvdc_hook(self, p: torch.Tensor) -> None:
+        key = id(p)
+        self._hvdc_passes[key] += 1
+        if self._hvdc_passes[key] < self.backward_passes_per_step:
+            return
+        if self._hvdc_passes[key] > self.backward_passes_per_step:
+            raise RuntimeError(
+                f"gradient of {self._hvdc_names[key]!r} computed more often than "
+                f"backward_passes_per_step={self.backward_passes_per_step} before step(); "
+                "raise backward_passes_per_step or call step() in between")
+        grad = to_numpy(p.grad)
+        if self._hvdc_predivide != 1.0:
+            grad = grad / grad.dtype.type(self._hvdc_predivide)
+        self._hvdc_exchange.submit(self._hvdc_names[key], grad)
+
+    # ------------------------------------------------------- synchronize
+    def synchronize(self) -> None:
+        """Wait for every gradient's allreduce and write the averages into ``p.grad``."""
+        averaged = self._hvdc_exchange.finish(fill_missing=True)
+        scale = self._hvdc_predivide
+        if self._hvdc_op == Sum:
+            scale *= self._hvdc_comm.size
+        for p in self._hvdc_params:
+            avg = averaged[self._hvdc_names[id(p)]]
+            if scale != 1.0:
+                avg = avg * avg.dtype.type(scale)
+            if p.grad is None:  # unused parameter: Horovod gives it the (zero-averaged) grad
+                p.grad = torch.zeros_like(p)
+            copy_into(p.grad, avg)
+            self._hvdc_passes[id(p)] = 0
+        self._hvdc_synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step()`` inside this block does not synchronize (call ``synchronize()`` first)."""
+        self._hvdc_skip_sync = True
+        try:
+            yield
+        finally:
+            self._hvdc_skip_sync = False
+
+    def step(self, closure: Any = None) -> Any:
+        if not self._hvdc_skip_sync:
+            if self._hvdc_synchronized:
+                raise RuntimeError("synchronize() was called before step(); wrap step() in "
+                                   "optimizer.skip_synchronize()")
+            self.synchronize()
+        self._hvdc_synchronized = False
+        return super(self.__class__, self).step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if any(n >= self.backward_passes_per_step for n in self._hvdc_passes.values()):
+            raise RuntimeError("zero_grad() was called after backward() and before step() or "
+                               "synchronize(): the gradients' allreduce is in flight")
+        return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+    def close(self) -> None:
+        """Remove the gradient hooks and stop the communication thread."""
+        for h in self._hvdc_hooks:
+            h.remove()
+        self._hvdc_hooks = []
+        self._hvdc_exchange.close()
+
+    # ------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        sd = super(self.__class__, self).state_dict()
+        sd["hvdc"] = self._hvdc_method.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        sd = dict(state_dict)
+        hv = sd.pop("hvdc", None)
+        super(self.__class__, self).load_state_dict(sd)
+        if hv is not None:
+            self._hvdc_method.load_state_dict(hv)
+
+    # ------------------------------------------------------------ extras
+    @property
+    def compression(self) -> Method:
+        return self._hvdc_method
+
+    @property
+    def communicator(self) -> Any:
+        return self._hvdc_comm
+
+    @property
+    def exchange(self) -> GradientExchange:
+        return self._hvdc_exchange
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer,
+                         named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+                         compression: Method | None = None,
+                         backward_passes_per_step: int = 1, op: Any = Average,
+                         gradient_predivide_factor: float = 1.0,
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True,
+                         comm: Any = None) -> torch.optim.Optimizer:
+    """Wrap ``optimizer`` so that ``step()`` uses averaged (compressed) gradients.
+
+    The signature follows ``horovod.torch.DistributedOptimizer``; a Horovod
+    script changes one import. ``compression`` defaults to
+    ``Compression.none()`` (dense). ``bucket_bytes`` is the fusion cap for
+    flat methods; ``overlap`` reduces buckets during the backward pass;
+    ``comm`` defaults to the communicator of :func:`init`.
+    """
+    from ..compressors.registry import create
+    if compression is None:
+        compression = create("none")
+    cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
+               dict(_DistributedOptimizer.__dict__))
+    return cls(optimizer.param_groups, named_parameters, compression,
+               backward_passes_per_step, op, gradient_predivide_factor, bucket_bytes,
+               overlap, comm)
