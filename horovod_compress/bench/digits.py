@@ -116,7 +116,7 @@ def train_digits(compression: Any = None, comm: Any = None, *, epochs: int = 30,
             loss = loss_fn(model(xs[idx]), ys[idx])
             loss.backward()
             opt.step()
-            loss_sum += float(loss)
+            loss_sum += float(loss.detach())
             if bar is not None:
                 bar.update(1)
         acc = evaluate(model, data)

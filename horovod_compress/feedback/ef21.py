@@ -1,0 +1,110 @@
+"""EF21 (Richtarik, Sokolov, Fatkhullin 2021) and EF21M (Fatkhullin, Tyurin, Richtarik 2023).
+
+The feedback family, for every biased method (``feedback=`` on any of them):
+
+* ``none``      -- compress the gradient itself: the optimizer gets C(avg g);
+* ``residual``  -- EF14: compress g_i + e_i, keep e_i = what was not sent;
+* ``ef21``      -- compress the *change* of a per-rank gradient tracker;
+* ``ef21m``     -- EF21 on a momentum tracker h_i (parameter ``eta``).
+
+EF21M, per rank i and tensor, as in the ARC-Top-K paper's eqs. (11a)-(11c)::
+
+    h_i <- (1 - eta) h_i + eta x_i            (11a)  momentum tracker of the gradient x_i
+    c_i  = C_local(h_i - g_i)                         one compressed allreduce:
+    g_i <- g_i + c_i                          (11b)  what the others know of h_i
+    G   <- G + avg_i c_i                      (11c)  G = avg_i g_i, the update direction
+
+EF21 is EF21M with eta = 1 (h_i = x_i, no tracker stored). ``c_i`` and
+``avg_i c_i`` are the ``(local, avg)`` pair that ``method._reduce(h_i - g_i)``
+returns, so any method works; the only message is that method's compressed
+allreduce. Every rank holds the same G (it adds the same allreduced vectors),
+and the optimizer receives G.
+
+State (in the method's per-tensor state, checkpointed with it): ``fb_h``
+(EF21M only), ``fb_g`` (g_i), ``fb_G`` (G). On the first compressed step of a
+tensor without state they start at zero (EF21's g_i^0 = 0 choice), so early
+directions are scaled by the momentum's warm-up like a zero-initialised EMA.
+
+Dense (warm-up) steps, :meth:`EF21M.on_dense_step`: the optimizer receives the
+exact average avg_i x_i, and the trackers are re-initialised to the state
+EF21M prescribes at its start with an exact gradient (h_i^0 = g_i^0 = x_i,
+Fatkhullin et al., Alg. 1 with V_0 = ||g - h||^2 = 0): h_i = g_i = x_i and
+G = avg_i x_i. The invariant G = avg_i g_i thus holds after every step, and
+the first compressed step after warm-up continues from the last dense
+direction instead of from zero.
+
+Use a plain optimizer step on G (SGD without momentum, as in eq. (11c), or
+Adam): EF21M already carries the momentum (eta = 1 - beta of heavy-ball SGD).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..compressors.params import check_float
+from .base import Feedback, register_feedback
+
+
+@register_feedback
+class EF21M(Feedback):
+    """EF21M: error feedback on a momentum tracker (eqs. 11a-11c); ``eta`` in (0, 1]."""
+
+    name = "ef21m"
+
+    def __init__(self, method: str = "", eta: float = 0.1) -> None:
+        super().__init__(method)
+        self.eta = check_float(method, "eta", eta, 0.0, 1.0, low_open=True)
+
+    def params(self) -> dict[str, Any]:
+        return {"eta": self.eta}
+
+    @staticmethod
+    def _tracker(state: dict, key: str, like: np.ndarray) -> np.ndarray:
+        arr = state.get(key)
+        if not isinstance(arr, np.ndarray) or arr.shape != like.shape or arr.dtype != like.dtype:
+            arr = np.zeros_like(like)
+            state[key] = arr
+        return arr
+
+    def _momentum(self, x: np.ndarray, state: dict) -> np.ndarray:
+        """Eq. (11a): h_i <- (1 - eta) h_i + eta x_i, in place in ``state``."""
+        h = self._tracker(state, "fb_h", x)
+        h *= h.dtype.type(1.0 - self.eta)
+        h += h.dtype.type(self.eta) * x
+        return h
+
+    def reduce(self, method: Any, x: np.ndarray, name: str, comm: Any, state: dict) -> np.ndarray:
+        h = self._momentum(x, state)
+        g = self._tracker(state, "fb_g", x)
+        big_g = self._tracker(state, "fb_G", x)
+        avg_c, c = method._reduce(h - g, name, comm, state)
+        g += c                               # (11b)
+        big_g += avg_c                       # (11c): G = avg_i g_i
+        return big_g.copy()
+
+    def on_dense_step(self, x: np.ndarray, avg: np.ndarray, state: dict) -> None:
+        """Re-initialise h_i = g_i = x_i and G = avg (see the module docstring)."""
+        state["fb_h"] = np.array(x, copy=True)
+        state["fb_g"] = np.array(x, copy=True)
+        state["fb_G"] = np.array(avg, copy=True)
+
+
+@register_feedback
+class EF21(EF21M):
+    """EF21: error feedback on the gradient itself (EF21M with eta = 1, no tracker h)."""
+
+    name = "ef21"
+
+    def __init__(self, method: str = "") -> None:
+        super().__init__(method, eta=1.0)
+
+    def params(self) -> dict[str, Any]:
+        return {}
+
+    def _momentum(self, x: np.ndarray, state: dict) -> np.ndarray:
+        return x
+
+    def on_dense_step(self, x: np.ndarray, avg: np.ndarray, state: dict) -> None:
+        state["fb_g"] = np.array(x, copy=True)
+        state["fb_G"] = np.array(avg, copy=True)
