@@ -50,12 +50,31 @@ def dense_bytes_per_step(num_params: int, world_size: int, itemsize: int = 4) ->
     return 2.0 * num_params * itemsize * (world_size - 1) / world_size
 
 
+def sgd_settings(method: Any, lr: float, momentum: float | None) -> tuple[float, float]:
+    """(lr, momentum) for plain SGD with ``method``.
+
+    ``momentum=None`` means: heavy-ball momentum 0.9, except for methods whose
+    feedback is EF21M, which already carries the momentum (ARC-Top-K paper,
+    eq. 11a, eta = 1 - beta): there SGD runs without momentum at lr / eta, the
+    same effective step.
+    """
+    if momentum is not None:
+        return lr, momentum
+    fb = getattr(method, "feedback", None)
+    if fb is not None and fb.name == "ef21m":
+        return lr / fb.params()["eta"], 0.0
+    return lr, 0.9
+
+
 def train_digits(compression: Any = None, comm: Any = None, *, epochs: int = 30,
                  batch_size: int = 32, hidden: int = 128, lr: float = 0.05,
-                 momentum: float = 0.9, optimizer: str = "sgd", seed: int = 0,
+                 momentum: float | None = None, optimizer: str = "sgd", seed: int = 0,
                  bucket_bytes: int | None = None, overlap: bool = True,
                  progress: bool = False, label: str = "") -> dict[str, Any]:
     """Train the digits MLP on all ranks of ``comm`` with ``compression``; return metrics.
+
+    SGD's momentum defaults per method (see :func:`sgd_settings`); pass
+    ``momentum`` to force one.
 
     Returns a dict with ``test_accuracy`` (final, in [0, 1]), ``train_loss``
     (last epoch's mean), ``history`` (per epoch: accuracy, cumulative bytes
@@ -86,7 +105,8 @@ def train_digits(compression: Any = None, comm: Any = None, *, epochs: int = 30,
     model = make_mlp(hidden, seed)
     broadcast_parameters(model.state_dict(), root_rank=0, comm=comm)
     if optimizer == "sgd":
-        base = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+        sgd_lr, sgd_momentum = sgd_settings(method, lr, momentum)
+        base = torch.optim.SGD(model.parameters(), lr=sgd_lr, momentum=sgd_momentum)
     elif optimizer == "adam":
         base = torch.optim.Adam(model.parameters(), lr=lr)
     else:
