@@ -1,0 +1,420 @@
+"""Device plumbing shared by the GPU kernels: allocation, launch shapes, scan and compaction.
+
+Arrays. A GPU kernel takes *device arrays*: CuPy arrays, or Numba device
+arrays (``numba.cuda.to_device``; under ``NUMBA_ENABLE_CUDASIM=1`` the
+simulator's stand-ins). Every allocation is made "like" an input, so a CuPy
+input gives CuPy outputs and a Numba input gives Numba outputs. CuPy is
+imported only when a CuPy array is seen.
+
+Launch shapes. ``TPB`` threads per block (256 on a device, 32 in the
+simulator, which runs every thread as a Python thread); element-wise kernels
+use grid-stride loops over at most ``MAX_BLOCKS`` blocks.
+
+Ordered stream compaction. ``flatnonzero(pred)`` on a device, with the output
+in ascending order (the CPU kernels return sorted COO indices, so the GPU
+ones must too). The index range [0, n) is cut into one contiguous chunk per
+block; pass 1 counts the hits of every chunk, the host turns the (at most
+``MAX_BLOCKS``) counts into chunk offsets (one small copy each way, which is
+also where the output size must become known to allocate it), pass 2 walks
+each chunk one tile of ``TILE = TPB * ITEMS`` elements at a time: every
+thread evaluates the predicate on ``ITEMS`` consecutive elements (kept as a
+bit mask), a block-wide Hillis-Steele scan of the per-thread counts gives
+every thread its first slot, and the thread writes its hits in order (the
+"blocked arrangement" of CUB's block scans). The same two passes with values
+instead of flags make :func:`exclusive_scan`.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import numpy as np
+from numba import config, cuda, int64
+
+SIMULATOR = bool(config.ENABLE_CUDASIM)
+TPB = 32 if SIMULATOR else 256          # threads per block (a power of two)
+ITEMS = 16 if SIMULATOR else 8          # consecutive items per thread in a scan tile (<= 64)
+TILE = TPB * ITEMS                      # items per block-wide scan
+MAX_BLOCKS = 3 if SIMULATOR else 1024
+
+
+# ------------------------------------------------------------------- arrays
+def is_cupy(x: Any) -> bool:
+    """Whether ``x`` is a CuPy array (checked without importing CuPy)."""
+    return type(x).__module__.split(".")[0] == "cupy"
+
+
+def is_device_array(x: Any) -> bool:
+    """CuPy arrays, Numba device arrays (real or simulated), anything with a CUDA array interface."""
+    return bool(getattr(x, "__cuda_ndarray__", False)) or hasattr(x, "__cuda_array_interface__")
+
+
+def _cupy():
+    import cupy  # noqa: PLC0415 - optional dependency, imported on first CuPy array
+    return cupy
+
+
+def empty(like: Any, shape: Any, dtype: Any) -> Any:
+    """Uninitialised device array of ``shape``/``dtype`` of the same kind as ``like``."""
+    if is_cupy(like):
+        return _cupy().empty(shape, dtype=dtype)
+    return cuda.device_array(shape, dtype=dtype)
+
+
+def zeros(like: Any, shape: Any, dtype: Any) -> Any:
+    """Zero-filled device array of the same kind as ``like`` (filled on the device)."""
+    if is_cupy(like):
+        return _cupy().zeros(shape, dtype=dtype)
+    out = cuda.device_array(shape, dtype=dtype)
+    fill(out, 0)
+    return out
+
+
+def to_host(a: Any) -> np.ndarray:
+    """Copy a device array to a NumPy array (NumPy input is returned as is)."""
+    if isinstance(a, np.ndarray):
+        return a
+    if is_cupy(a):
+        return _cupy().asnumpy(a)
+    return a.copy_to_host()
+
+
+def to_device(host: np.ndarray, like: Any) -> Any:
+    """Copy a NumPy array to the device, as the same kind of array as ``like``."""
+    host = np.ascontiguousarray(host)
+    if is_cupy(like):
+        return _cupy().asarray(host)
+    return cuda.to_device(host)
+
+
+def flat(x: Any, name: str = "x") -> Any:
+    """A contiguous 1-D view of device array ``x`` (CuPy copies if needed, Numba must be contiguous)."""
+    if not is_device_array(x):
+        raise ValueError(f"{name} must be a device array (CuPy or numba.cuda), got {type(x).__name__}")
+    if is_cupy(x):
+        return _cupy().ascontiguousarray(x).reshape(-1)
+    if not x.is_c_contiguous():
+        raise ValueError(f"{name} must be C-contiguous")
+    return x.reshape(x.size)
+
+
+def dtype_of(x: Any) -> np.dtype:
+    return np.dtype(x.dtype)
+
+
+def blocks_for(n: int) -> int:
+    """Blocks of an element-wise grid-stride launch over ``n`` items (>= 1)."""
+    return max(1, min(MAX_BLOCKS, (int(n) + TPB - 1) // TPB))
+
+
+def chunking(n: int) -> tuple[int, int]:
+    """(blocks, chunk): contiguous chunks of a multiple of TILE items, one per block."""
+    nb = max(1, min(MAX_BLOCKS, (int(n) + TILE - 1) // TILE))
+    per = (int(n) + nb - 1) // nb
+    chunk = ((per + TILE - 1) // TILE) * TILE
+    nb = max(1, (int(n) + chunk - 1) // chunk) if n > 0 else 1
+    return nb, chunk
+
+
+# ------------------------------------------------------------------ kernels
+if SIMULATOR:
+    @cuda.jit(device=True)
+    def ldexp(x, e):
+        """x * 2^e, exact (the simulator's Python ``math.ldexp`` wants a Python int)."""
+        return math.ldexp(x, int(e))
+else:
+    @cuda.jit(device=True)
+    def ldexp(x, e):
+        """x * 2^e, exact (libdevice ``__nv_ldexp`` takes an int32 exponent)."""
+        return math.ldexp(x, np.int32(e))
+
+
+@cuda.jit
+def _fill_kernel(a, value):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < a.size:
+        a[i] = value
+        i += stride
+
+
+def fill(a: Any, value: Any) -> None:
+    """a[:] = value for a contiguous device array of any shape."""
+    if a.size == 0:
+        return
+    if is_cupy(a):
+        a.fill(value)
+        return
+    v = a.reshape(a.size)
+    _fill_kernel[blocks_for(v.size), TPB](v, v.dtype.type(value))
+
+
+@cuda.jit
+def _divide_kernel(a, d):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < a.size:
+        a[i] = a[i] / d
+        i += stride
+
+
+def divide_inplace(a: Any, divisor: Any) -> None:
+    """a[:] /= divisor on the device (in a's dtype), for a contiguous array of any shape."""
+    if a.size == 0:
+        return
+    if is_cupy(a):
+        a /= a.dtype.type(divisor)
+        return
+    v = a.reshape(a.size)
+    _divide_kernel[blocks_for(v.size), TPB](v, v.dtype.type(divisor))
+
+
+@cuda.jit
+def _cast_kernel(src, dst):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < src.size:
+        dst[i] = src[i]
+        i += stride
+
+
+def cast(x: Any, dtype: Any) -> Any:
+    """A 1-D copy of ``x`` converted to ``dtype`` on the device (C casting rules)."""
+    out = empty(x, x.size, dtype)
+    if x.size:
+        _cast_kernel[blocks_for(x.size), TPB](x, out)
+    return out
+
+
+@cuda.jit(device=True)
+def block_exclusive_scan(sh, t, v):
+    """Exclusive prefix sum of ``v`` over the block's threads: (prefix, block total).
+
+    Hillis-Steele on a shared array of TPB int64; every thread must call it.
+    """
+    sh[t] = v
+    cuda.syncthreads()
+    off = 1
+    while off < TPB:
+        add = sh[t - off] if t >= off else 0
+        cuda.syncthreads()
+        sh[t] += add
+        cuda.syncthreads()
+        off *= 2
+    incl = sh[t]
+    total = sh[TPB - 1]
+    cuda.syncthreads()
+    return incl - v, total
+
+
+@cuda.jit(device=True)
+def block_sum(sh, t, v):
+    """Sum of ``v`` over the block's threads, returned to every thread (shared array of TPB)."""
+    sh[t] = v
+    cuda.syncthreads()
+    s = TPB // 2
+    while s > 0:
+        if t < s:
+            sh[t] += sh[t + s]
+        cuda.syncthreads()
+        s //= 2
+    total = sh[0]
+    cuda.syncthreads()
+    return total
+
+
+def _chunk_offsets(counts_dev: Any) -> tuple[np.ndarray, int]:
+    counts = to_host(counts_dev).astype(np.int64)
+    offsets = np.zeros(counts.size, np.int64)
+    if counts.size > 1:
+        np.cumsum(counts[:-1], out=offsets[1:])
+    return offsets, int(counts.sum())
+
+
+class Compactor:
+    """Ordered compaction for one predicate ``pred(a0, a1, a2, a3, i) -> bool``.
+
+    ``count(n, a0..a3, like)`` counts the i in [0, n) with pred true;
+    ``indices(n, a0..a3, like)`` returns them ascending as an int64 device
+    array. Unused arguments are passed as 0.
+    """
+
+    def __init__(self, pred: Callable) -> None:
+        @cuda.jit
+        def count_kernel(n, chunk, a0, a1, a2, a3, counts):
+            sh = cuda.shared.array(TPB, int64)
+            t = cuda.threadIdx.x
+            b = cuda.blockIdx.x
+            start = b * chunk
+            stop = min(start + chunk, n)
+            c = 0
+            i = start + t
+            while i < stop:
+                if pred(a0, a1, a2, a3, i):
+                    c += 1
+                i += TPB
+            total = block_sum(sh, t, c)
+            if t == 0:
+                counts[b] = total
+
+        @cuda.jit
+        def write_kernel(n, chunk, a0, a1, a2, a3, offsets, out):
+            sh = cuda.shared.array(TPB, int64)
+            t = cuda.threadIdx.x
+            b = cuda.blockIdx.x
+            start = b * chunk
+            stop = min(start + chunk, n)
+            base = offsets[b]
+            tile = start
+            while tile < stop:
+                first = tile + t * ITEMS
+                last = min(first + ITEMS, stop)
+                mask = np.uint64(0)
+                c = 0
+                for i in range(first, last):
+                    if pred(a0, a1, a2, a3, i):
+                        mask |= np.uint64(1) << np.uint64(i - first)
+                        c += 1
+                excl, total = block_exclusive_scan(sh, t, c)
+                w = base + excl
+                for i in range(first, last):
+                    if (mask >> np.uint64(i - first)) & np.uint64(1):
+                        out[w] = i
+                        w += 1
+                base += total
+                tile += TILE
+
+        self._count = count_kernel
+        self._write = write_kernel
+
+    def _counts(self, n: int, a0: Any, a1: Any, a2: Any, a3: Any, like: Any) -> tuple[Any, int, int]:
+        nb, chunk = chunking(n)
+        counts = empty(like, nb, np.int64)
+        self._count[nb, TPB](n, chunk, a0, a1, a2, a3, counts)
+        return counts, nb, chunk
+
+    def count(self, n: int, a0: Any, a1: Any, a2: Any, a3: Any, like: Any) -> int:
+        if n <= 0:
+            return 0
+        counts, _, _ = self._counts(n, a0, a1, a2, a3, like)
+        return int(to_host(counts).sum())
+
+    def indices(self, n: int, a0: Any, a1: Any, a2: Any, a3: Any, like: Any) -> Any:
+        if n <= 0:
+            return empty(like, 0, np.int64)
+        counts, nb, chunk = self._counts(n, a0, a1, a2, a3, like)
+        offsets, total = _chunk_offsets(counts)
+        out = empty(like, total, np.int64)
+        if total:
+            self._write[nb, TPB](n, chunk, a0, a1, a2, a3, to_device(offsets, like), out)
+        return out
+
+
+@cuda.jit
+def _chunk_sums_kernel(vals, n, chunk, sums):
+    sh = cuda.shared.array(TPB, int64)
+    t = cuda.threadIdx.x
+    b = cuda.blockIdx.x
+    start = b * chunk
+    stop = min(start + chunk, n)
+    s = 0
+    i = start + t
+    while i < stop:
+        s += int64(vals[i])
+        i += TPB
+    total = block_sum(sh, t, s)
+    if t == 0:
+        sums[b] = total
+
+
+@cuda.jit
+def _chunk_scan_kernel(vals, n, chunk, offsets, out):
+    sh = cuda.shared.array(TPB, int64)
+    t = cuda.threadIdx.x
+    b = cuda.blockIdx.x
+    start = b * chunk
+    stop = min(start + chunk, n)
+    base = offsets[b]
+    tile = start
+    while tile < stop:
+        first = tile + t * ITEMS
+        last = min(first + ITEMS, stop)
+        s = int64(0)
+        for i in range(first, last):
+            s += int64(vals[i])
+        excl, total = block_exclusive_scan(sh, t, s)
+        w = base + excl
+        for i in range(first, last):
+            out[i] = w
+            w += int64(vals[i])
+        base += total
+        tile += TILE
+
+
+def exclusive_scan(vals: Any) -> tuple[Any, int]:
+    """Exclusive prefix sums of an integer device array (int64 output) and the total."""
+    n = int(vals.size)
+    out = empty(vals, n, np.int64)
+    if n == 0:
+        return out, 0
+    nb, chunk = chunking(n)
+    sums = empty(vals, nb, np.int64)
+    _chunk_sums_kernel[nb, TPB](vals, n, chunk, sums)
+    offsets, total = _chunk_offsets(sums)
+    _chunk_scan_kernel[nb, TPB](vals, n, chunk, to_device(offsets, vals), out)
+    return out, total
+
+
+@cuda.jit
+def _minmax_kernel(vals, n, mins, maxs):
+    shmin = cuda.shared.array(TPB, int64)
+    shmax = cuda.shared.array(TPB, int64)
+    t = cuda.threadIdx.x
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    lo = int64(9223372036854775807)
+    hi = int64(-9223372036854775807 - 1)
+    while i < n:
+        v = int64(vals[i])
+        lo = min(lo, v)
+        hi = max(hi, v)
+        i += stride
+    shmin[t] = lo
+    shmax[t] = hi
+    cuda.syncthreads()
+    s = TPB // 2
+    while s > 0:
+        if t < s:
+            shmin[t] = min(shmin[t], shmin[t + s])
+            shmax[t] = max(shmax[t], shmax[t + s])
+        cuda.syncthreads()
+        s //= 2
+    if t == 0:
+        mins[cuda.blockIdx.x] = shmin[0]
+        maxs[cuda.blockIdx.x] = shmax[0]
+
+
+def int_min_max(vals: Any) -> tuple[int, int]:
+    """(min, max) of a non-empty integer device array."""
+    nb = blocks_for(vals.size)
+    mins = empty(vals, nb, np.int64)
+    maxs = empty(vals, nb, np.int64)
+    _minmax_kernel[nb, TPB](vals, int(vals.size), mins, maxs)
+    return int(to_host(mins).min()), int(to_host(maxs).max())
+
+
+@cuda.jit
+def _gather_kernel(src, idx, out):
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    while i < idx.size:
+        out[i] = src[idx[i]]
+        i += stride
+
+
+def gather(src: Any, idx: Any, dtype: Any = None) -> Any:
+    """out[j] = src[idx[j]] (1-D), in ``dtype`` (default: src's)."""
+    out = empty(src, idx.size, dtype if dtype is not None else src.dtype)
+    if idx.size:
+        _gather_kernel[blocks_for(idx.size), TPB](src, idx, out)
+    return out

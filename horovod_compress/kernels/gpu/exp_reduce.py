@@ -1,0 +1,153 @@
+"""GPU version of :mod:`horovod_compress.kernels.exp_reduce`: Global-QSGD's exponential reduce.
+
+Algorithm 2 of the Global-QSGD paper (unbiased rounding of the sum of two
+signed powers of two back to a power of two), branch-free integer arithmetic
+on codes ``e | negative << sign_shift``, one thread per byte. Element ``i``
+uses word ``counter + i`` (8-bit) or words ``counter + 2i`` / ``counter + 2i + 1``
+(4-bit, low / high nibble) of stream ``key`` -- the CPU kernel's words -- so
+both devices produce the same bytes. Saturations (a rounded sum of 1, clamped
+to 1/2) are counted per block and added with one integer atomic per block,
+so the count is exact and deterministic.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from numba import cuda, int64
+
+from ._common import TPB, block_sum, blocks_for, empty, flat, to_host, zeros
+from .rng import random_word
+
+
+@cuda.jit(device=True)
+def exp_reduce_pair(c1, c2, r, sign_shift):
+    """Algorithm 2 on two codes with random word ``r``: (code, saturated 0/1)."""
+    emask = (np.int64(1) << sign_shift) - 1
+    e1 = np.int64(c1) & emask
+    e2 = np.int64(c2) & emask
+    sign1 = 1 - 2 * ((np.int64(c1) >> sign_shift) & 1)
+    sign2 = 1 - 2 * ((np.int64(c2) >> sign_shift) & 1)
+    gz1 = np.int64(e1 > 0)
+    gz2 = np.int64(e2 > 0)
+    sign12 = sign1 * sign2 * gz1 * gz2
+    diff = abs(e1 - e2) - (1 - sign12) // 2
+    smaller = (np.int64(e1 <= e2) + (1 - gz2)) * gz1
+    non_zero = 1 - np.int64(e1 == e2) * np.int64(sign12 == -1)
+    sign = sign1 * smaller + sign2 * (1 - smaller)
+    dc = min(max(diff, np.int64(0)), np.int64(63))
+    event = np.int64(((r >> np.uint64(63 - dc)) >> np.uint64(1)) == np.uint64(0)) * np.int64(diff < 64)
+    e_sel = e1 * smaller + e2 * (1 - smaller)
+    e = e_sel * non_zero - sign12 * event * non_zero
+    saturated = np.int64(e == 0) * np.int64(e_sel * non_zero > 0)
+    e = e + saturated
+    negative = np.int64(sign < 0) * np.int64(e > 0)
+    return e | (negative << sign_shift), saturated
+
+
+@cuda.jit
+def _reduce8_kernel(a, b, out, key, counter, sat):
+    sh = cuda.shared.array(TPB, int64)
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    s = np.int64(0)
+    while i < a.size:
+        r = random_word(key, counter + np.uint64(i))
+        c, z = exp_reduce_pair(np.int64(a[i]), np.int64(b[i]), r, np.int64(7))
+        out[i] = np.uint8(c)
+        s += z
+        i += stride
+    total = block_sum(sh, cuda.threadIdx.x, s)
+    if cuda.threadIdx.x == 0 and total != 0:
+        cuda.atomic.add(sat, 0, total)
+
+
+@cuda.jit
+def _reduce4_kernel(a, b, out, key, counter, sat):
+    sh = cuda.shared.array(TPB, int64)
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    s = np.int64(0)
+    while i < a.size:
+        x = np.int64(a[i])
+        y = np.int64(b[i])
+        r0 = random_word(key, counter + np.uint64(2 * i))
+        r1 = random_word(key, counter + np.uint64(2 * i + 1))
+        lo, s0 = exp_reduce_pair(x & 15, y & 15, r0, np.int64(3))
+        hi, s1 = exp_reduce_pair(x >> 4, y >> 4, r1, np.int64(3))
+        out[i] = np.uint8(lo | (hi << 4))
+        s += s0 + s1
+        i += stride
+    total = block_sum(sh, cuda.threadIdx.x, s)
+    if cuda.threadIdx.x == 0 and total != 0:
+        cuda.atomic.add(sat, 0, total)
+
+
+@cuda.jit
+def _reduce_codes_kernel(a, b, r, sign_shift, out, sat):
+    sh = cuda.shared.array(TPB, int64)
+    i = cuda.grid(1)
+    stride = cuda.gridsize(1)
+    s = np.int64(0)
+    while i < a.size:
+        c, z = exp_reduce_pair(np.int64(a[i]), np.int64(b[i]), r[i], sign_shift)
+        out[i] = c
+        s += z
+        i += stride
+    total = block_sum(sh, cuda.threadIdx.x, s)
+    if cuda.threadIdx.x == 0 and total != 0:
+        cuda.atomic.add(sat, 0, total)
+
+
+def _launch(kernel, n: int, like: Any, *args: Any) -> int:
+    sat = zeros(like, 1, np.int64)
+    if n:
+        kernel[blocks_for(n), TPB](*args, sat)
+    return int(to_host(sat)[0])
+
+
+def exp_reduce8_into(a: Any, b: Any, out: Any, key: int, counter: int) -> int:
+    """8-bit codes: out[i] = reduce(a[i], b[i]) with word counter+i; returns saturations. ``out`` may alias ``b``."""
+    return _launch(_reduce8_kernel, int(a.size), a, a, b, out, np.uint64(key), np.uint64(counter))
+
+
+def exp_reduce4_into(a: Any, b: Any, out: Any, key: int, counter: int) -> int:
+    """Packed 4-bit codes: both nibbles reduced with words counter+2i, counter+2i+1; returns saturations."""
+    return _launch(_reduce4_kernel, int(a.size), a, a, b, out, np.uint64(key), np.uint64(counter))
+
+
+def exp_reduce_codes_into(a: Any, b: Any, r: Any, sign_shift: int, out: Any) -> int:
+    """Unpacked codes with explicit random words ``r``; returns saturations."""
+    return _launch(_reduce_codes_kernel, int(a.size), a, a, b, r, np.int64(sign_shift), out)
+
+
+def exp_reduce_codes(a: Any, b: Any, r: Any, bits: int) -> Any:
+    """Pure form: reduced unpacked ``bits``-bit codes of ``a`` and ``b`` given words ``r``."""
+    sign_shift = 7 if bits == 8 else 3 if bits == 4 else None
+    if sign_shift is None:
+        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    a, b, r = flat(a, "a"), flat(b, "b"), flat(r, "r")
+    if not (a.size == b.size == r.size):
+        raise ValueError(f"a, b and r must have the same length, got {a.size}, {b.size}, {r.size}")
+    out = empty(a, a.size, np.uint8)
+    exp_reduce_codes_into(a, b, r, sign_shift, out)
+    return out
+
+
+def exp_reduce_packed(a: Any, b: Any, bits: int, key: int, counter: int = 0) -> tuple[Any, int]:
+    """Pure form of the operator's inner loop: (reduced bytes, saturations)."""
+    a, b = flat(a, "a"), flat(b, "b")
+    if a.size != b.size:
+        raise ValueError(f"a and b must have the same length, got {a.size} and {b.size}")
+    out = empty(b, b.size, np.uint8)
+    if bits == 8:
+        sat = exp_reduce8_into(a, b, out, key, counter)
+    elif bits == 4:
+        sat = exp_reduce4_into(a, b, out, key, counter)
+    else:
+        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    return out, sat
+
+
+__all__ = ["exp_reduce4_into", "exp_reduce8_into", "exp_reduce_codes", "exp_reduce_codes_into",
+           "exp_reduce_packed", "exp_reduce_pair"]

@@ -1,0 +1,47 @@
+"""The GPU kernels on CuPy arrays on a real device, against the CPU kernels.
+
+Skipped cleanly when CuPy is not installed or no CUDA device is visible (or
+when this process runs Numba's simulator, which cannot launch on CuPy memory).
+The checks are the simulator's (tests/cases/kernels_gpu_cases.py), so both
+array kinds are held to the same bit-for-bit contract.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "cases"))
+import kernels_gpu_cases  # noqa: E402
+
+sys.path.pop(0)
+
+
+def _cupy_or_skip():
+    cupy = pytest.importorskip("cupy")
+    from numba import config
+    if config.ENABLE_CUDASIM:
+        pytest.skip("Numba's CUDA simulator is on in this process")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except Exception as exc:  # noqa: BLE001 - CUDA driver missing or broken
+        pytest.skip(f"no usable CUDA device: {exc}")
+    return cupy
+
+
+@pytest.mark.parametrize("check", kernels_gpu_cases.CHECKS)
+def test_gpu_kernel_matches_cpu_on_cupy_arrays(check: str) -> None:
+    cupy = _cupy_or_skip()
+    getattr(kernels_gpu_cases, check)(cupy.asarray, cupy.asnumpy)
+
+
+def test_dispatch_picks_gpu_for_cupy() -> None:
+    cupy = _cupy_or_skip()
+    from horovod_compress.kernels import dispatch
+    x = cupy.arange(10, dtype=cupy.float32)
+    assert dispatch.get_array_module(x) is cupy
+    assert dispatch.device_of(x) == "gpu"
+    idx, val = dispatch.select_by_threshold(x, 5.0)
+    assert isinstance(idx, cupy.ndarray) and cupy.asnumpy(idx).tolist() == [5, 6, 7, 8, 9]
