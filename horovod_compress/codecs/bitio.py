@@ -1,0 +1,90 @@
+"""Bit packing for the codecs (Numba): fixed- and variable-width fields, MSB first.
+
+A field of width w holds the w low bits of a value; fields are concatenated
+most-significant bit first and the last byte is zero-padded. Readers never
+read past the buffer: they return a status (0 = OK, 1 = truncated) that the
+Python callers turn into a ``ValueError``.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .wire import ContainerError
+
+OK = 0
+TRUNCATED = 1
+
+
+@njit(cache=True)
+def pack_fields(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
+    """Concatenate ``widths[t]`` low bits of ``values[t]`` (uint64, widths 0..64)."""
+    total = 0
+    for t in range(widths.size):
+        total += widths[t]
+    out = np.zeros((total + 7) // 8, np.uint8)
+    pos = 0
+    for t in range(values.size):
+        w = widths[t]
+        v = values[t]
+        for b in range(w - 1, -1, -1):
+            if (v >> np.uint64(b)) & np.uint64(1):
+                out[pos >> 3] |= np.uint8(128 >> (pos & 7))
+            pos += 1
+    return out
+
+
+@njit(cache=True)
+def pack_fixed(values: np.ndarray, width: int) -> np.ndarray:
+    """Concatenate the ``width`` low bits (0..64) of each uint64 value."""
+    out = np.zeros((values.size * width + 7) // 8, np.uint8)
+    pos = 0
+    for t in range(values.size):
+        v = values[t]
+        for b in range(width - 1, -1, -1):
+            if (v >> np.uint64(b)) & np.uint64(1):
+                out[pos >> 3] |= np.uint8(128 >> (pos & 7))
+            pos += 1
+    return out
+
+
+@njit(cache=True)
+def unpack_fixed(buf: np.ndarray, count: int, width: int) -> tuple:
+    """Inverse of :func:`pack_fixed`: ``(uint64 values, status)``."""
+    out = np.zeros(count, np.uint64)
+    if count * width > buf.size * 8:
+        return out, TRUNCATED
+    pos = 0
+    for t in range(count):
+        v = np.uint64(0)
+        for _ in range(width):
+            bit = (buf[pos >> 3] >> (7 - (pos & 7))) & 1
+            v = (v << np.uint64(1)) | np.uint64(bit)
+            pos += 1
+        out[t] = v
+    return out, OK
+
+
+def bits_for(count: int) -> int:
+    """Bits needed to write any integer in ``[0, count)`` (0 when count <= 1)."""
+    return max(int(count) - 1, 0).bit_length()
+
+
+def pack_permutation(order: np.ndarray) -> bytes:
+    """A permutation of ``range(r)`` in ``ceil(log2 r)`` bits per entry (paper, Section 5.1)."""
+    return pack_fixed(np.ascontiguousarray(order, dtype=np.uint64), bits_for(order.size)).tobytes()
+
+
+def unpack_permutation(data: bytes, r: int) -> np.ndarray:
+    """Inverse of :func:`pack_permutation`; checks it is a permutation and fully used."""
+    width = bits_for(r)
+    if len(data) != (r * width + 7) // 8:
+        raise ContainerError(f"permutation section: {len(data)} bytes, expected "
+                             f"{(r * width + 7) // 8} for {r} entries of {width} bits")
+    values, status = unpack_fixed(np.frombuffer(data, np.uint8), r, width)
+    if status != OK:
+        raise ContainerError("permutation section: truncated")
+    order = values.astype(np.int64)
+    if r and (order.max() >= r or np.bincount(order, minlength=r).max() != 1):
+        raise ContainerError("permutation section: not a permutation")
+    return order

@@ -1,0 +1,199 @@
+"""``deepreduce`` -- DeepReduce: sparse tensors as compressed (index, value) containers.
+
+Kostopoulou, Xu, Dutta, Li, Ntoulas, Kalnis, "DeepReduce: A Sparse-tensor
+Communication Framework for Distributed Deep Learning" (papers/deepreduce.txt;
+ALGORITHMS.md, "DeepReduce"). Per step and tensor, rank i
+
+1. sparsifies its input x_i with any registered method (``sparsifier="topk"``
+   by default, or ``"none"`` for inherently sparse gradients): support S_i,
+   sparse tensor g~_i;
+2. encodes (S_i, values) with an index codec and a value codec into one
+   self-describing container (:mod:`horovod_compress.codecs.container`);
+3. exchanges the containers with ``allgatherv`` of uint8 (sizes differ);
+4. decodes all P containers and sums:  avg = (1/P) sum_j D(c_j).
+
+``local`` (what error feedback subtracts) is D(c_i), what this rank's own
+container decodes to -- exactly what the other ranks add -- so residual
+feedback keeps everything a lossy codec dropped (false positives left out by
+Bloom P1/P2, curve-fit and quantization errors) for the next step.
+
+Index codecs: ``raw``, ``bitmap``, ``rle``, ``huffman``, ``bloom`` (``fpr``,
+``policy`` naive/p0/p1/p2). Value codecs: ``raw``, ``deflate``, ``qsgd``,
+``polyfit``, ``dexp``. Values sent for Bloom positives outside S (P0/P1/P2)
+come from the sparsifier's input x_i (``fp_values="dense"``, GRACE's choice
+in the paper) or are 0 (``fp_values="sparse"``: P0 then reproduces g~_i
+exactly).
+
+Volume per rank and step (the communicator's allgatherv model): with
+container sizes c_j, rank i sends sum_{j != i+1} c_j and receives
+sum_{j != i} c_j, plus 8 (P - 1) bytes each way for the sizes. With Top-k at
+density 1 % on real gradients, Bloom P2 (fpr 0.001) makes c_j 0.74 of the 8k
+bytes of raw (index, value) pairs, P0 0.81, P2 + polyfit 0.49 (measured,
+docs/methods/deepreduce.md); ``expected_bytes`` is None (data-dependent).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .. import codecs
+from ..codecs import container
+from .base import Method, TensorState
+from .params import check_choice
+from .registry import create, method_class, register
+from .sparse_common import scatter_sum
+
+INDEX_CODECS = ("raw", "bitmap", "rle", "huffman", "bloom")
+VALUE_CODECS = ("raw", "deflate", "qsgd", "polyfit", "dexp")
+FP_VALUES = ("dense", "sparse")
+
+
+@register
+class DeepReduce(Method):
+    """Sparsifier + index/value codecs in one container, exchanged by allgatherv."""
+
+    name = "deepreduce"
+    biased = True
+    default_feedback = "residual"
+
+    def __init__(self, *, sparsifier: str = "topk", density: float | None = None,
+                 sparsifier_params: dict[str, Any] | None = None,
+                 index: str = "bloom", value: str = "raw", fpr: float = 0.001,
+                 policy: str = "p2", fp_values: str = "dense", poly_degree: int = 5,
+                 fit_tol: float = 0.01, qsgd_levels: int = 127, qsgd_bucket: int = 512,
+                 deflate_level: int = 6, feedback: str | None = None, warmup_steps: int = 0,
+                 seed: int = 0, **feedback_params: Any) -> None:
+        self.index = check_choice(self.name, "index", index, INDEX_CODECS)
+        self.value = check_choice(self.name, "value", value, VALUE_CODECS)
+        self.fp_values = check_choice(self.name, "fp_values", fp_values, FP_VALUES)
+        bloom = codecs.make_index_codec("bloom", fpr=fpr, policy=policy)  # validates both
+        self.fpr, self.policy = bloom.fpr, bloom.policy
+        value_params = {
+            "raw": {}, "deflate": {"level": deflate_level},
+            "qsgd": {"levels": qsgd_levels, "bucket": qsgd_bucket},
+            "polyfit": {"degree": poly_degree, "tol": fit_tol}, "dexp": {"tol": fit_tol}}
+        # Build every value codec once so that every argument is validated up front.
+        built = {name: codecs.make_value_codec(name, **prm) for name, prm in value_params.items()}
+        self.poly_degree, self.fit_tol = built["polyfit"].degree, built["polyfit"].tol
+        self.qsgd_levels, self.qsgd_bucket = built["qsgd"].levels, built["qsgd"].bucket
+        self.deflate_level = built["deflate"].level
+        self._index_codec = bloom if self.index == "bloom" else codecs.make_index_codec(self.index)
+        self._value_codec = built[self.value]
+        self.sparsifier, self._sparsifier = self._make_sparsifier(
+            sparsifier, density, sparsifier_params, seed)
+        super().__init__(feedback=feedback, warmup_steps=warmup_steps, seed=seed,
+                         **feedback_params)
+        self._self_comm: Any = None
+
+    # ------------------------------------------------------------ sparsifier
+    def _make_sparsifier(self, sparsifier: Any, density: float | None,
+                         sparsifier_params: dict[str, Any] | None, seed: int) -> tuple[str, Any]:
+        if not isinstance(sparsifier, str):
+            raise ValueError(f"deepreduce: sparsifier must be a method name or 'none', "
+                             f"got {sparsifier!r}")
+        if not isinstance(sparsifier_params, (dict, type(None))):
+            raise ValueError(f"deepreduce: sparsifier_params must be a dict, got {sparsifier_params!r}")
+        params = dict(sparsifier_params or {})
+        if density is not None:
+            params["density"] = density
+        if sparsifier == "none":
+            if params:
+                raise ValueError(f"deepreduce: sparsifier 'none' takes no parameters, got {params}")
+            return "none", None
+        if sparsifier == self.name:
+            raise ValueError("deepreduce: sparsifier cannot be 'deepreduce' itself")
+        try:
+            method_class(sparsifier)
+        except ValueError as exc:
+            raise ValueError(f"deepreduce: sparsifier must be 'none' or a registered method; {exc}") from None
+        for key in ("feedback", "warmup_steps", "seed"):
+            if key in params:
+                raise ValueError(f"deepreduce: give {key!r} to deepreduce, not in sparsifier_params")
+        return sparsifier, create(sparsifier, feedback="none", warmup_steps=0, seed=seed, **params)
+
+    def sparsify(self, flat: np.ndarray, name: str, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(S, g~)``: the sorted support and the sparse vector of this rank's input.
+
+        ``"none"``: S = the non-zeros of ``flat``. A method with ``select(x)``
+        (Top-k) gives S directly and g~ = x on S. Any other method is run on a
+        one-rank communicator (``MPI.COMM_SELF``, no bytes counted here): its
+        local contribution C(x) is g~ and S is its non-zeros.
+        """
+        if self._sparsifier is None:
+            return np.flatnonzero(flat).astype(np.int64), flat
+        if hasattr(self._sparsifier, "select"):
+            return np.sort(np.asarray(self._sparsifier.select(flat), dtype=np.int64)), flat
+        st = self._sparsifier.state.setdefault(name, TensorState())
+        st["t"] = st.t + 1
+        _avg, local = self._sparsifier._reduce(flat, name, self._comm_self(), st)
+        local = np.asarray(local, dtype=flat.dtype).reshape(-1)
+        return np.flatnonzero(local).astype(np.int64), local
+
+    def _comm_self(self) -> Any:
+        if self._self_comm is None:
+            from mpi4py import MPI
+
+            from ..mpi_collectives import Communicator
+            self._self_comm = Communicator(MPI.COMM_SELF)
+        return self._self_comm
+
+    # ---------------------------------------------------------------- codecs
+    def encode(self, flat: np.ndarray, name: str, step: int, rank: int) -> codecs.Encoded:
+        """This rank's container for ``flat`` at ``step`` (seeded by name, step, rank)."""
+        support, sparse = self.sparsify(flat, name, step)
+        if self.fp_values == "sparse" and sparse is flat:
+            source = np.zeros_like(flat)
+            source[support] = flat[support]
+        elif self.fp_values == "dense" and sparse is not flat:
+            source = flat.copy()
+            source[support] = sparse[support]
+        else:
+            source = sparse
+        seed = int(self.local_rng(name, step, rank, "deepreduce").integers(0, 2**63))
+        return container.encode(support, source, (flat.size,), self._index_codec,
+                                self._value_codec, seed)
+
+    def _reduce(self, x: np.ndarray, name: str, comm: Any,
+                state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+        flat = x.reshape(-1)
+        n = flat.size
+        enc = self.encode(flat, name, state.t, comm.rank)
+        gathered, counts = comm.allgatherv(np.frombuffer(enc.data, dtype=np.uint8))
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        parts = [container.decode(gathered[bounds[j]:bounds[j + 1]], expected_shape=(n,))
+                 for j in range(comm.size)]
+        slots = np.concatenate([p.slots for p in parts])
+        values = np.concatenate([p.values.astype(np.float64) for p in parts])
+        avg = scatter_sum(n, slots, values, flat.dtype) / flat.dtype.type(comm.size)
+        mine = parts[comm.rank]
+        local = np.zeros_like(flat)
+        local[mine.slots] = mine.values
+        state["container_bytes"] = len(enc.data)
+        state["selected"] = mine.selected
+        return avg.reshape(x.shape), local.reshape(x.shape)
+
+    # ------------------------------------------------------------- metadata
+    def params(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"sparsifier": self.sparsifier, "index": self.index,
+                               "value": self.value, "fp_values": self.fp_values}
+        if self._sparsifier is not None:
+            out["sparsifier_params"] = self._sparsifier.params()
+        if self.index == "bloom":
+            out.update(fpr=self.fpr, policy=self.policy)
+        out.update({"polyfit": {"poly_degree": self.poly_degree, "fit_tol": self.fit_tol},
+                    "dexp": {"fit_tol": self.fit_tol},
+                    "qsgd": {"qsgd_levels": self.qsgd_levels, "qsgd_bucket": self.qsgd_bucket},
+                    "deflate": {"deflate_level": self.deflate_level}, "raw": {}}[self.value])
+        return {**out, **self.feedback.params()}
+
+    def state_dict(self) -> dict[str, Any]:
+        sd = super().state_dict()
+        if self._sparsifier is not None:
+            sd["sparsifier_state"] = self._sparsifier.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        super().load_state_dict(sd)
+        if self._sparsifier is not None and "sparsifier_state" in sd:
+            self._sparsifier.load_state_dict(sd["sparsifier_state"])
