@@ -1,0 +1,377 @@
+"""``global_qsgd`` -- quantization with a global norm, reduced inside the allreduce.
+
+Global-QSGD (Xin, Canini, Richtarik, Horvath; papers/global-qsgd.txt), Algorithm 1:
+
+1. norm = Allreduce_MAX(||x_i||_q): one scalar (q = inf by default, or 2; the
+   mixed norm ||x||_{q,inf} of the paper's Definition 1).
+2. y_i = |x_i| / norm in [0, 1];  z_i = sign(x_i) * xi(y_i), where xi rounds
+   every entry stochastically and unbiasedly to one of its two adjacent
+   levels (equation 2).
+3. Allreduce_SUM(z_i) on the compressed integers; avg = norm / P * sum_i z_i
+   (equation 1). Sparse gradients may instead allgather their nonzeros
+   (Algorithm 1, lines 6-7).
+
+Linear dithering (levels j/s). The integer levels are summed by a plain
+integer allreduce (8-bit: int8 MPI_SUM; 4-bit: two's-complement nibbles, two
+per byte, summed lane-wise by a custom operator). A sum of P levels needs
+1 + log2(s+1) + log2(P) bits (section 4.2), so s = floor((2^(b-1) - 1) / P):
+8-bit gives s = 63 at P=2, 31 at P=4, 1 at P=127; 4-bit gives s = 3 at P=2,
+1 at P<=7. Where s would be 0 the configuration is impossible and the first
+call raises ``ValueError`` (same on every rank, before any payload is sent).
+
+Exponential dithering (levels {0} U {2^-e}). Values are (sign, e) codes, 8-bit
+= 1 sign + 7 exponent bits, 4-bit = 1 + 3 packed two per byte. Before
+quantizing, y is divided by 2^c with 2^c >= 2P (c = ceil(log2 2P) + headroom)
+so partial sums stay below 1/2 (section 4.3); a power of two keeps the level
+grid of y on powers of two. The sum of two codes is rounded back to a power of
+two by Algorithm 2 (:mod:`horovod_compress.kernels.exp_reduce`), run inside the
+collective as a custom MPI operator (:func:`reduce_ops.exp_sum_op`) whose random
+words come from a per-rank stream seeded from (seed, tensor, step, rank). The
+collective is reduce-scatter + allgatherv, so each element is rounded on
+exactly one rank and every rank ends with the same bits (see
+:mod:`horovod_compress.mpi_collectives.reduce_ops`). ``headroom`` extra
+exponent bits (default 16 at 8 bits, 0 at 4 bits) make a partial sum that
+rounds up to 1 -- which the code saturates at 1/2 -- improbable for any
+reduction order: by Doob's inequality at most 2^-(headroom+1) per element
+whose inputs all sit at the norm with one sign.
+
+Effective level counts (the paper's s, levels 1, 1/2, ..., 2^-(s-1), 0 of y):
+exponential s = emax - c + 1 (8-bit: 127 - c + 1; 4-bit: 7 - c + 1).
+
+Volume per rank per step (ring-allreduce model): the norm, 2*8*(P-1)/P bytes,
+plus the payload, 2*B*(P-1)/P with B = N bytes (8-bit) or ceil(N/2) (4-bit):
+a quarter / an eighth of float32's 2*4N(P-1)/P.
+
+Sparse path (``sparse=True``, or ``"auto"`` when the allgather is smaller):
+each rank allgathers (uint32 index, code) of its nonzero quantized entries and
+every rank sums all of them locally in float64 (deterministic, identical on all
+ranks). No partial sums travel, so it uses the full level range: linear
+s = 2^(b-1) - 1, exponential c = 1. With ``"auto"`` the norm allreduce carries a
+second scalar, the largest nonzero count, so every rank takes the same path.
+
+Special inputs (identical decision on every rank, since it depends only on the
+allreduced norm):
+
+* all-zero gradient on every rank (norm 0): the result is exactly zero; no
+  payload is sent (only the norm). Counted in ``state["zero_norm_steps"]``.
+* NaN or +-Inf on any rank: its local norm is reported as +inf, so the global
+  norm is +inf everywhere and the step falls back to an uncompressed float
+  allreduce of the gradient -- the same result as ``Compression.none``:
+  NaN/Inf appear exactly where a dense allreduce puts them (so loss scalers
+  detect and skip the step as without compression), never a quantized garbage
+  value. Counted in ``state["dense_fallback_steps"]`` with a RuntimeWarning.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import numpy as np
+
+from ..kernels.quantize import (abs_max, exp_code_layout, exp_dequantize, exp_quantize,
+                                linear_dequantize, linear_quantize, pack_nibbles, sum_squares,
+                                unpack_nibbles)
+from .base import Method, TensorState
+from .params import check_choice, check_int
+from .registry import register
+
+_SPARSE_INDEX_BYTES = 4  # uint32 index per nonzero entry
+
+
+def linear_levels(bits: int, world_size: int, sparse: bool = False) -> int:
+    """Linear dithering's level count s for ``bits``-bit transport over ``world_size`` ranks.
+
+    Dense (allreduce of levels): the largest s with P * s <= 2^(b-1) - 1, so no
+    partial sum of signed levels can overflow (paper, section 4.2). Sparse
+    (allgather, sums in int64 locally): s = 2^(b-1) - 1. Raises ``ValueError``
+    with the reason when no level fits.
+    """
+    top = (1 << (bits - 1)) - 1
+    if sparse:
+        return top
+    s = top // world_size
+    if s < 1:
+        raise ValueError(
+            f"global_qsgd: linear dithering with bits={bits} cannot sum {world_size} ranks without "
+            f"overflow: the sum of P levels in [-s, s] needs P*s <= 2^(bits-1)-1 = {top}, i.e. "
+            f"1 + log2(s+1) + log2(P) <= {bits} bits, which no s >= 1 satisfies for P={world_size}. "
+            f"Use dithering='exponential', bits=8, or sparse=True")
+    return s
+
+
+def exp_shift(bits: int, world_size: int, headroom: int, sparse: bool = False) -> int:
+    """Exponential dithering's pre-division 2^c: c = ceil(log2(2P)) + headroom (dense) or 1 (sparse).
+
+    Raises ``ValueError`` when fewer than two nonzero levels would remain
+    (emax - c + 1 < 2).
+    """
+    if sparse:
+        return 1
+    _, emax = exp_code_layout(bits)
+    c = max(1, math.ceil(math.log2(2 * world_size))) + headroom
+    if emax - c + 1 < 2:
+        raise ValueError(
+            f"global_qsgd: exponential dithering with bits={bits} keeps exponents 1..{emax}; dividing "
+            f"by 2^{c} (2^c >= 2P for P={world_size}, headroom={headroom}) leaves {emax - c + 1} "
+            f"level(s) below 1, need at least 2. Lower headroom or use bits=8")
+    return c
+
+
+@register
+class GlobalQSGD(Method):
+    """Global-QSGD: global-norm quantization reduced inside the allreduce (unbiased)."""
+
+    name = "global_qsgd"
+    biased = False
+    default_feedback = "none"
+    horovod_compatible = False  # per instance: True only for the linear 8-bit dense variant
+
+    def __init__(self, *, dithering: str = "exponential", bits: int = 8, norm: str = "inf",
+                 sparse: bool | str = False, headroom: int | None = None,
+                 feedback: str | None = None, warmup_steps: int = 0, seed: int = 0,
+                 **feedback_params: Any) -> None:
+        self.dithering = check_choice(self.name, "dithering", dithering, ["exponential", "linear"])
+        self.bits = check_int(self.name, "bits", bits, 4, 8)
+        self.bits = check_choice(self.name, "bits", self.bits, [8, 4])
+        self.norm = check_choice(self.name, "norm", norm, ["inf", "l2"])
+        if not (sparse is True or sparse is False or sparse == "auto" or isinstance(sparse, np.bool_)):
+            raise ValueError(f"global_qsgd: sparse must be True, False or 'auto', got {sparse!r}")
+        self.sparse: bool | str = sparse if sparse == "auto" else bool(sparse)
+        _, emax = exp_code_layout(self.bits)
+        default_headroom = 16 if self.bits == 8 else 0
+        self.headroom = default_headroom if headroom is None else check_int(
+            self.name, "headroom", headroom, 0, emax - 3)
+        if self.dithering == "linear" and headroom not in (None, 0):
+            raise ValueError("global_qsgd: headroom applies to dithering='exponential' only")
+        super().__init__(feedback=feedback, warmup_steps=warmup_steps, seed=seed, **feedback_params)
+        self.horovod_compatible = (self.dithering == "linear" and self.bits == 8
+                                   and self.sparse is False)
+        self._horovod_calls: dict[tuple, int] = {}
+
+    def params(self) -> dict[str, Any]:
+        return {"dithering": self.dithering, "bits": self.bits, "norm": self.norm,
+                "sparse": self.sparse, "headroom": self.headroom, **self.feedback.params()}
+
+    # ------------------------------------------------------------- planning
+    def plan(self, world_size: int, sparse: bool = False) -> dict[str, int]:
+        """Quantization grid for ``world_size`` ranks: levels (linear s) or shift c and s (exponential).
+
+        ``s`` is the paper's level count (levels 1, ..., 0 of y); raises
+        ``ValueError`` for impossible combinations.
+        """
+        if self.dithering == "linear":
+            s = linear_levels(self.bits, world_size, sparse)
+            return {"levels": s, "s": s}
+        c = exp_shift(self.bits, world_size, self.headroom, sparse)
+        _, emax = exp_code_layout(self.bits)
+        return {"shift": c, "emax": emax, "s": emax - c + 1}
+
+    def payload_bytes(self, n: int) -> int:
+        """Bytes of the quantized vector of ``n`` elements: n (8-bit) or ceil(n/2) (4-bit)."""
+        return n if self.bits == 8 else (n + 1) // 2
+
+    def expected_bytes(self, shape: tuple[int, ...], world_size: int,
+                       itemsize: int = 4) -> float | None:
+        """Norm (one float64) plus payload, each through an allreduce: 2(8 + B)(P-1)/P.
+
+        ``None`` for the sparse paths (the count depends on the nonzeros).
+        """
+        if self.sparse is not False:
+            return None
+        n = int(np.prod(shape))
+        p = world_size
+        return 2.0 * (8 + self.payload_bytes(n)) * (p - 1) / p
+
+    def local_norm(self, flat: np.ndarray) -> float:
+        """||x_i||_q (q = inf or 2) in float64; +inf when x_i has a NaN or Inf."""
+        if flat.size == 0:
+            return 0.0
+        x = np.ascontiguousarray(flat)
+        v = abs_max(x) if self.norm == "inf" else math.sqrt(sum_squares(x))
+        return v if math.isfinite(v) else math.inf
+
+    def stream_key(self, name: str, step: int, rank: int, purpose: str) -> np.uint64:
+        """64-bit key of this rank's counter-based random stream for (name, step, purpose)."""
+        return self.local_rng(name, step, rank, purpose).integers(0, 2**64, dtype=np.uint64)
+
+    # ------------------------------------------------------------- protocol
+    def _reduce(self, x: np.ndarray, name: str, comm: Any,
+                state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+        flat = x.reshape(-1)
+        p = comm.size
+        if self.sparse is not True:
+            self.plan(p)  # impossible dense configuration: ValueError before any message
+        auto = self.sparse == "auto"
+        msg = [self.local_norm(flat)]
+        if auto:
+            msg.append(float(np.count_nonzero(flat)))
+        with comm.phase("global_qsgd.norm"):
+            glob = comm.allreduce(np.array(msg, dtype=np.float64), op="max")
+        norm = float(glob[0])
+        if norm == 0.0:
+            state["zero_norm_steps"] = int(state.get("zero_norm_steps", 0)) + 1
+            zeros = np.zeros_like(x)
+            return zeros, zeros.copy()
+        sparse = self.sparse is True or (auto and self._sparse_is_smaller(int(glob[1]), flat.size, p))
+        plan = self.plan(p, sparse)
+        # y = |x| * q_scale on the level grid; a level value times d_scale is back in x's units.
+        if self.dithering == "linear":
+            q_scale, d_scale = 1.0 / norm, norm / plan["levels"]
+        else:
+            q_scale, d_scale = (1.0 / norm) * 2.0 ** -plan["shift"], norm * 2.0 ** plan["shift"]
+        if not (math.isfinite(norm) and math.isfinite(q_scale) and math.isfinite(d_scale)):
+            return self._dense_fallback(flat, comm, state, x.shape)
+        key = self.stream_key(name, state.t, comm.rank, "quantize")
+        if self.dithering == "linear":
+            q = linear_quantize(flat, q_scale, plan["levels"], key)
+            local = linear_dequantize(q, d_scale, flat.dtype)
+            total = self._sparse_sum(q, comm) if sparse else self._linear_allreduce(q, comm)
+            avg = linear_dequantize(total, d_scale / p, flat.dtype)
+        else:
+            codes = exp_quantize(flat, q_scale, self.bits, key)
+            local = exp_dequantize(codes, d_scale, self.bits, flat.dtype)
+            if sparse:
+                avg = (self._sparse_sum(codes, comm) * (d_scale / p)).astype(flat.dtype)
+            else:
+                rkey = self.stream_key(name, state.t, comm.rank, "reduce")
+                total_codes = self._exp_allreduce(codes, comm, rkey, state)
+                avg = exp_dequantize(total_codes, d_scale / p, self.bits, flat.dtype)
+        return avg.reshape(x.shape), local.reshape(x.shape)
+
+    def _sparse_is_smaller(self, max_nnz: int, n: int, p: int) -> bool:
+        dense = 2.0 * self.payload_bytes(n) * (p - 1) / p
+        sparse = (p - 1) * (max_nnz * _SPARSE_INDEX_BYTES + self.payload_bytes(max_nnz))
+        return sparse < dense
+
+    def _dense_fallback(self, flat: np.ndarray, comm: Any, state: TensorState,
+                        shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        state["dense_fallback_steps"] = int(state.get("dense_fallback_steps", 0)) + 1
+        warnings.warn("global_qsgd: a gradient holds NaN or Inf on some rank; this step runs as an "
+                      "uncompressed allreduce (same result as Compression.none)", RuntimeWarning,
+                      stacklevel=4)
+        with comm.phase("global_qsgd.dense_fallback"):
+            avg = comm.allreduce(flat, op="avg")
+        return avg.reshape(shape), flat.copy().reshape(shape)
+
+    def _linear_allreduce(self, q: np.ndarray, comm: Any) -> np.ndarray:
+        """Sum of int8 levels over ranks (exact: the level count rules out overflow)."""
+        with comm.phase("global_qsgd.payload"):
+            if self.bits == 8:
+                return comm.allreduce(q, op="sum")
+            from ..mpi_collectives.reduce_ops import nibble_sum_op
+            total = comm.allreduce(pack_nibbles(q), op=nibble_sum_op())
+        return unpack_nibbles(total, q.size, signed=True)
+
+    def _exp_allreduce(self, codes: np.ndarray, comm: Any, rkey: np.uint64,
+                       state: TensorState) -> np.ndarray:
+        """Exponential codes reduced by Algorithm 2 inside a reduce-scatter + allgatherv."""
+        from ..mpi_collectives.reduce_ops import allreduce_reduce_once, exp_sum_op, reduce_stream
+        payload = codes if self.bits == 8 else pack_nibbles(codes)
+        with reduce_stream(int(rkey)) as stream, comm.phase("global_qsgd.payload"):
+            total = allreduce_reduce_once(comm, payload, exp_sum_op(self.bits))
+            saturated = stream.saturated
+        if saturated:
+            state["saturated"] = int(state.get("saturated", 0)) + saturated
+        return total if self.bits == 8 else unpack_nibbles(total, codes.size)
+
+    def _sparse_sum(self, codes: np.ndarray, comm: Any) -> np.ndarray:
+        """Allgather (index, code) of the nonzeros; every rank sums all of them in float64.
+
+        Returns the sum of levels (linear) or of +-2^-e (exponential) per element.
+        """
+        n = codes.size
+        if n >= 2**32:
+            raise ValueError(f"global_qsgd: the sparse path indexes with uint32, got {n} elements")
+        nz = np.flatnonzero(codes)
+        vals = codes[nz]
+        body = vals.view(np.uint8) if self.bits == 8 else pack_nibbles(vals)
+        payload = np.concatenate([nz.astype(np.uint32).view(np.uint8), body])
+        with comm.phase("global_qsgd.payload"):
+            gathered, counts = comm.allgatherv(payload)
+        idx_parts, val_parts = [], []
+        offset = 0
+        for length in counts.tolist():
+            part = gathered[offset:offset + length]
+            offset += length
+            k = length // 5 if self.bits == 8 else (2 * length) // 9
+            idx_parts.append(np.ascontiguousarray(part[:4 * k]).view(np.uint32))
+            raw = part[4 * k:]
+            signed = self.dithering == "linear"
+            if self.bits == 8:
+                c = raw.view(np.int8) if signed else raw
+            else:
+                c = unpack_nibbles(raw, k, signed=signed)
+            if self.dithering == "linear":
+                val_parts.append(c.astype(np.float64))
+            else:
+                val_parts.append(exp_dequantize(c, 1.0, self.bits, np.float64))
+        all_idx = np.concatenate(idx_parts).astype(np.int64)
+        all_val = np.concatenate(val_parts)
+        return np.bincount(all_idx, weights=all_val, minlength=n)
+
+    # ------------------------------------------------- Horovod's Compressor protocol
+    def compress(self, tensor: Any) -> tuple[Any, Any]:
+        """Horovod ``Compressor.compress`` for the linear 8-bit variant (PyTorch tensors).
+
+        Use with ``hvd.DistributedOptimizer(..., compression=method, op=hvd.Sum)``.
+        This call MAX-allreduces the local norm through Horovod
+        (``hvd.allreduce(op=hvd.Max)``, blocking; every rank must compress the
+        same tensors in the same order, as Horovod's optimizer does), quantizes
+        to levels |q| <= s = floor(127 / P) -- the same levels as the MPI path
+        -- and returns them as biased byte lanes, seven per int64 word
+        (:func:`~horovod_compress.kernels.quantize.pack_biased_lanes`), because
+        Horovod's PyTorch allreduce has no 8-bit integer type. Horovod sums the
+        words with its own allreduce (8/7 bytes per element); since every lane
+        total stays <= 2sP <= 254 the lanes never carry into each other, and
+        :meth:`decompress` unpacks the level sums and multiplies by norm / (s P).
+        ``op=hvd.Sum`` is required: Horovod's ``Average`` divides integers in
+        C++ with truncation. Exponential dithering needs its custom reduction
+        operator and 4-bit linear a nibble-wise sum, neither of which Horovod
+        offers, so those variants refuse with ``ValueError``. A NaN/Inf on any
+        rank sends the float tensor itself (dense; same decision on every rank).
+        """
+        if not self.horovod_compatible:
+            raise ValueError(
+                f"global_qsgd(dithering={self.dithering!r}, bits={self.bits}, sparse={self.sparse!r}) "
+                "cannot run inside Horovod's allreduce: only dithering='linear', bits=8, sparse=False "
+                "reduces with a plain integer sum. Exponential dithering needs its custom MPI "
+                "reduction operator and 4-bit linear a nibble-wise sum, which Horovod's allreduce "
+                "(Sum/Average/Min/Max/Product/Adasum) cannot apply; use "
+                "horovod_compress.torch.DistributedOptimizer for those")
+        if type(tensor).__module__.split(".")[0] != "torch":
+            raise TypeError("global_qsgd's Horovod adapter quantizes PyTorch tensors; with "
+                            "TensorFlow use horovod_compress.tensorflow.DistributedGradientTape")
+        import horovod.torch as hvd
+        import torch
+
+        from ..kernels.quantize import pack_biased_lanes
+        shape = tuple(tensor.shape)
+        step = self._horovod_calls.get(shape, 0) + 1
+        self._horovod_calls[shape] = step
+        p = hvd.size()
+        flat = tensor.detach().to("cpu", torch.float32).numpy().reshape(-1)
+        local = torch.tensor([self.local_norm(flat)], dtype=torch.float64)
+        norm = float(hvd.allreduce(local, op=hvd.Max, name=f"hvdc.global_qsgd.norm.{shape}.{step}")[0])
+        if not math.isfinite(norm):
+            warnings.warn("global_qsgd: a gradient holds NaN or Inf on some rank; this tensor is "
+                          "sent uncompressed", RuntimeWarning, stacklevel=2)
+            return tensor, ("dense", p, 0, 0.0, tensor.dtype, shape)
+        s = linear_levels(8, p)
+        key = self.stream_key(f"horovod{shape}", step, hvd.rank(), "quantize")
+        q = linear_quantize(flat, 1.0 / norm if norm > 0 else 0.0, s, key)
+        words = torch.from_numpy(pack_biased_lanes(q, s)).to(tensor.device)
+        return words, ("levels", p, s, norm, tensor.dtype, shape)
+
+    def decompress(self, tensor: Any, ctx: Any) -> Any:
+        """Horovod ``Compressor.decompress``: summed lane words (or the dense sum) -> the average."""
+        kind, p, s, norm, dtype, shape = ctx
+        if kind == "dense":
+            return tensor / p
+        import torch
+
+        from ..kernels.quantize import unpack_biased_lanes
+        n = int(np.prod(shape)) if shape else 1
+        sums = unpack_biased_lanes(tensor.detach().cpu().numpy(), n, p * s)
+        avg = linear_dequantize(sums, norm / (s * p), np.float64).reshape(shape)
+        return torch.from_numpy(avg).to(device=tensor.device, dtype=dtype)

@@ -1,0 +1,367 @@
+"""Stochastic quantization kernels for QSGD and Global-QSGD (Numba, CPU).
+
+Every kernel is pure: NumPy arrays and scalars in, arrays out (``*_into``
+variants write into an ``out`` array the caller passes); all randomness comes
+from an explicit 64-bit ``key`` through a counter-based generator, so a call is
+reproducible and every element can be computed independently (the GPU port
+computes element ``i`` from ``(key, i)`` exactly as here).
+
+Random numbers -- SplitMix64 as a counter-based hash
+----------------------------------------------------
+The i-th random word of stream ``key`` is ``splitmix64(key + (i + 1) * G)``
+with ``G = 0x9E3779B97F4A7C15`` (Steele, Lea, Flood, "Fast splittable
+pseudorandom number generators", 2014): the finaliser of SplitMix64 applied to
+the i-th state of its Weyl sequence. A uniform double in [0, 1) is the top 53
+bits of the word times 2^-53. Callers derive ``key`` from (seed, tensor name,
+step, rank, purpose) -- see :meth:`Method.local_rng` -- so streams of different
+ranks, steps and tensors are independent.
+
+Quantizers (Global-QSGD paper, Definition 1 and equation 2)
+------------------------------------------------------------
+Both map y = |x| * scale in [0, 1] to one of the two adjacent levels
+l_low <= y <= l_high, choosing l_high with probability
+(y - l_low) / (l_high - l_low), so E[xi(y)] = y (unbiased).
+
+* linear:       levels j / s, j = 0..s. Output is the signed integer level
+                sign(x) * j in int8 (|j| <= s <= 127).
+* exponential:  levels {0} U {2^-e : e = 1..emax}. Output is a code
+                ``e | (sign << sign_shift)`` in uint8, with e = 0 meaning 0
+                (8-bit: sign_shift 7, emax 127; 4-bit: sign_shift 3, emax 7).
+                The caller pre-scales so that y <= 1/2 (Global-QSGD divides
+                by a power of two >= 2P, section 4.3); a value above 1/2 is
+                saturated to e = 1 (documented bias for misuse only).
+
+Non-finite inputs (NaN, +-Inf) quantize to 0: the kernels never raise and
+never emit a code outside the representation. The methods detect non-finite
+gradients before quantizing (their norm is non-finite) and apply their own
+documented policy; the kernels' behaviour is only a safety net.
+
+Packing: 4-bit codes go two per byte, element 2j in the low nibble and 2j+1 in
+the high nibble (an odd tail leaves the last high nibble 0). Signed 4-bit
+linear levels are stored in two's complement within the nibble.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_TWO_POW_M53 = 1.0 / 9007199254740992.0  # 2^-53
+
+
+# ----------------------------------------------------------------- random words
+@njit(cache=True, inline="always")
+def splitmix64(state: np.uint64) -> np.uint64:
+    """SplitMix64 finaliser (a bijective 64-bit mixing function)."""
+    z = state
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+@njit(cache=True, inline="always")
+def random_word(key: np.uint64, index: np.uint64) -> np.uint64:
+    """The ``index``-th 64-bit word of stream ``key``: splitmix64(key + (index+1) G)."""
+    return splitmix64(key + (index + np.uint64(1)) * GOLDEN)
+
+
+@njit(cache=True, inline="always")
+def random_uniform(key: np.uint64, index: np.uint64) -> float:
+    """The ``index``-th uniform double in [0, 1) of stream ``key`` (53 random bits)."""
+    return np.float64(random_word(key, index) >> np.uint64(11)) * _TWO_POW_M53
+
+
+@njit(cache=True)
+def random_words(key: np.uint64, start: np.uint64, n: int) -> np.ndarray:
+    """Words ``start .. start+n-1`` of stream ``key`` as a uint64 array."""
+    out = np.empty(n, dtype=np.uint64)
+    for i in range(n):
+        out[i] = random_word(key, start + np.uint64(i))
+    return out
+
+
+@njit(cache=True)
+def random_uniforms(key: np.uint64, start: np.uint64, n: int) -> np.ndarray:
+    """Uniforms ``start .. start+n-1`` of stream ``key`` as a float64 array."""
+    out = np.empty(n, dtype=np.float64)
+    for i in range(n):
+        out[i] = random_uniform(key, start + np.uint64(i))
+    return out
+
+
+# -------------------------------------------------------------- linear dithering
+@njit(cache=True)
+def linear_quantize_into(x: np.ndarray, scale: float, levels: int, key: np.uint64,
+                         out: np.ndarray) -> None:
+    """out[i] = sign(x[i]) * xi(|x[i]| * scale * levels), levels j in [0, levels].
+
+    ``scale`` is 1 / norm (0 for an all-zero input gives all zeros); a value
+    above the top level is clipped to ``levels``; NaN/Inf give 0. ``out`` is
+    an integer array (int8 for levels <= 127). Element i uses uniform i of
+    stream ``key``.
+    """
+    n = x.size
+    for i in range(n):
+        v = np.float64(x[i])
+        y = abs(v) * scale * levels
+        q = 0
+        if y > 0.0 and y < math.inf:
+            lo = math.floor(y)
+            u = random_uniform(key, np.uint64(i))
+            q = np.int64(lo) + np.int64(u < (y - lo))
+            if q > levels:
+                q = levels
+            if v < 0.0:
+                q = -q
+        out[i] = q
+
+
+def linear_quantize(x: np.ndarray, scale: float, levels: int, key: int) -> np.ndarray:
+    """int8 signed levels of :func:`linear_quantize_into` (levels must be <= 127)."""
+    if not 1 <= levels <= 127:
+        raise ValueError(f"levels must be in [1, 127] for int8 output, got {levels}")
+    x = np.ascontiguousarray(x).reshape(-1)
+    out = np.empty(x.size, dtype=np.int8)
+    linear_quantize_into(x, float(scale), int(levels), np.uint64(key), out)
+    return out
+
+
+@njit(cache=True)
+def linear_dequantize_into(q: np.ndarray, scale: float, out: np.ndarray) -> None:
+    """out[i] = q[i] * scale (integer levels or level sums back to floats)."""
+    for i in range(q.size):
+        out[i] = np.float64(q[i]) * scale
+
+
+def linear_dequantize(q: np.ndarray, scale: float, dtype: np.dtype = np.float32) -> np.ndarray:
+    """Floats ``q * scale`` in ``dtype``."""
+    q = np.ascontiguousarray(q).reshape(-1)
+    out = np.empty(q.size, dtype=dtype)
+    linear_dequantize_into(q, float(scale), out)
+    return out
+
+
+# ---------------------------------------------------------- exponential dithering
+@njit(cache=True)
+def exp_quantize_into(x: np.ndarray, scale: float, emax: int, sign_shift: int,
+                      key: np.uint64, out: np.ndarray) -> None:
+    """Exponential stochastic rounding of y = |x| * scale to {0} U {2^-e, 1 <= e <= emax}.
+
+    For y in [2^-(e+1), 2^-e), i.e. y = (1 + f) 2^-(e+1) with f in [0, 1) the
+    fraction of its float64 mantissa, the code is e (value 2^-e) with
+    probability (y - 2^-(e+1)) / 2^-(e+1) = f and e+1 otherwise; below the
+    smallest level, 2^-emax is chosen with probability y 2^emax and 0
+    otherwise. Codes: ``e | (negative << sign_shift)``; zero is always code 0.
+    Element i uses word i of stream ``key``: up iff (word >> 11) < 2 * mantissa
+    (u < f with u = (word >> 11) 2^-53, f = mantissa 2^-52), so no rounding.
+    """
+    n = x.size
+    bits_of = np.empty(1, dtype=np.float64)
+    raw = bits_of.view(np.uint64)
+    mant_mask = np.uint64((1 << 52) - 1)
+    smallest = 2.0 ** -emax
+    inv_smallest = 2.0 ** emax
+    for i in range(n):
+        v = np.float64(x[i])
+        a = abs(v) * scale
+        code = 0
+        if a > 0.0 and a < math.inf:
+            w = random_word(key, np.uint64(i)) >> np.uint64(11)
+            if a < smallest:                # between 0 and the smallest level 2^-emax
+                e = emax if np.float64(w) * _TWO_POW_M53 < a * inv_smallest else 0
+            else:
+                bits_of[0] = a
+                b = raw[0]
+                e_low = 1022 - np.int64(b >> np.uint64(52))  # a in [2^-(e_low+1), 2^-e_low)
+                mant = b & mant_mask
+                e = e_low + 1
+                if w < (mant << np.uint64(1)):
+                    e = e_low
+                if e < 1:                   # y >= 1/2 rounding up to 1: caller did not pre-scale
+                    e = 1
+            code = e
+            if v < 0.0 and e > 0:
+                code = e | (1 << sign_shift)
+        out[i] = code
+
+
+def exp_quantize(x: np.ndarray, scale: float, bits: int, key: int) -> np.ndarray:
+    """uint8 codes (one per element, unpacked) of :func:`exp_quantize_into` for ``bits`` 8 or 4."""
+    sign_shift, emax = exp_code_layout(bits)
+    x = np.ascontiguousarray(x).reshape(-1)
+    out = np.empty(x.size, dtype=np.uint8)
+    exp_quantize_into(x, float(scale), emax, sign_shift, np.uint64(key), out)
+    return out
+
+
+@njit(cache=True)
+def exp_dequantize_into(codes: np.ndarray, scale: float, sign_shift: int,
+                        out: np.ndarray) -> None:
+    """out[i] = sign * 2^-e * scale for code (sign, e); e = 0 gives 0 (table lookup)."""
+    emask = (1 << sign_shift) - 1
+    table = np.empty(2 << sign_shift, dtype=np.float64)
+    for c in range(table.size):
+        e = c & emask
+        val = math.ldexp(scale, -e) if e > 0 else 0.0
+        table[c] = -val if (c >> sign_shift) & 1 else val
+    for i in range(codes.size):
+        out[i] = table[np.int64(codes[i]) & (table.size - 1)]
+
+
+def exp_dequantize(codes: np.ndarray, scale: float, bits: int,
+                   dtype: np.dtype = np.float32) -> np.ndarray:
+    """Floats of unpacked exponential codes, times ``scale``, in ``dtype``."""
+    sign_shift, _ = exp_code_layout(bits)
+    codes = np.ascontiguousarray(codes).reshape(-1)
+    out = np.empty(codes.size, dtype=dtype)
+    exp_dequantize_into(codes, float(scale), sign_shift, out)
+    return out
+
+
+def exp_code_layout(bits: int) -> tuple[int, int]:
+    """(sign_shift, emax) of a ``bits``-bit exponential code: 8 -> (7, 127), 4 -> (3, 7)."""
+    if bits == 8:
+        return 7, 127
+    if bits == 4:
+        return 3, 7
+    raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+
+
+# ---------------------------------------------------------------------- packing
+@njit(cache=True)
+def pack_nibbles_into(codes: np.ndarray, out: np.ndarray) -> None:
+    """out[j] = (codes[2j] & 15) | (codes[2j+1] & 15) << 4; ``out`` has ceil(n/2) bytes."""
+    n = codes.size
+    for j in range(n // 2):
+        out[j] = np.uint8((np.int64(codes[2 * j]) & 15) | ((np.int64(codes[2 * j + 1]) & 15) << 4))
+    if n % 2:
+        out[n // 2] = np.uint8(np.int64(codes[n - 1]) & 15)
+
+
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """Two 4-bit codes per byte (low nibble first); signed int8 levels keep two's complement."""
+    codes = np.ascontiguousarray(codes).reshape(-1)
+    out = np.empty((codes.size + 1) // 2, dtype=np.uint8)
+    pack_nibbles_into(codes, out)
+    return out
+
+
+@njit(cache=True)
+def unpack_nibbles_into(packed: np.ndarray, signed: bool, out: np.ndarray) -> None:
+    """Inverse of packing: out[2j] = low nibble, out[2j+1] = high nibble (n = out.size).
+
+    With ``signed`` the nibble is read as a two's complement value in [-8, 7].
+    """
+    n = out.size
+    for i in range(n):
+        b = np.int64(packed[i // 2])
+        v = (b >> (4 * (i % 2))) & 15
+        if signed:
+            v = (v ^ 8) - 8
+        out[i] = v
+
+
+def unpack_nibbles(packed: np.ndarray, n: int, signed: bool = False) -> np.ndarray:
+    """``n`` codes from packed bytes: uint8 codes, or int8 levels with ``signed``."""
+    packed = np.ascontiguousarray(packed, dtype=np.uint8).reshape(-1)
+    if n > 2 * packed.size:
+        raise ValueError(f"n must be at most 2 * len(packed) = {2 * packed.size}, got {n}")
+    out = np.empty(n, dtype=np.int8 if signed else np.uint8)
+    unpack_nibbles_into(packed, bool(signed), out)
+    return out
+
+
+@njit(cache=True)
+def nibble_add_into(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    """Lane-wise sum of two signed 4-bit lanes per byte, modulo 16 per lane (SWAR).
+
+    out = ((a & 0x77) + (b & 0x77)) ^ ((a ^ b) & 0x88): the low three bits of
+    each lane are added with the carry stopped at the lane's top bit, whose
+    value is then the XOR of both top bits and the carry. Exact whenever every
+    true lane sum lies in [-8, 7], which linear dithering guarantees by
+    choosing s <= 7 / P (so no partial sum of up to P ranks can overflow).
+    """
+    for i in range(a.size):
+        x = np.int64(a[i])
+        y = np.int64(b[i])
+        out[i] = np.uint8((((x & 0x77) + (y & 0x77)) ^ ((x ^ y) & 0x88)) & 0xFF)
+
+
+# ------------------------------------------- biased byte lanes in int64 words
+LANES_PER_INT64 = 7  # 7 x 8 bits = 56 bits: sums of lanes never reach the sign bit
+
+
+@njit(cache=True)
+def pack_biased_lanes_into(q: np.ndarray, bias: int, out: np.ndarray) -> None:
+    """out[j] = sum_l (q[7j+l] + bias) << 8l: seven non-negative byte lanes per int64 word.
+
+    Signed levels |q| <= bias become lanes in [0, 2 bias]; a tail past q.size
+    is padded with level 0 (lane = bias). Summing such words over P ranks with
+    a plain integer allreduce adds every lane independently as long as
+    2 bias P <= 255 (no carry between lanes, and bits 56..63 stay 0, so there
+    is no signed overflow) -- how linear dithering's int8 levels travel through
+    an allreduce that has no 8-bit integer type (Horovod's PyTorch ops).
+    """
+    n = q.size
+    for j in range(out.size):
+        w = np.int64(0)
+        for lane in range(LANES_PER_INT64):
+            i = j * LANES_PER_INT64 + lane
+            v = np.int64(bias)
+            if i < n:
+                v += np.int64(q[i])
+            w |= v << (8 * lane)
+        out[j] = w
+
+
+def pack_biased_lanes(q: np.ndarray, bias: int) -> np.ndarray:
+    """int64 words of :func:`pack_biased_lanes_into` (ceil(n / 7) words)."""
+    q = np.ascontiguousarray(q).reshape(-1)
+    out = np.empty(-(-q.size // LANES_PER_INT64), dtype=np.int64)
+    pack_biased_lanes_into(q, int(bias), out)
+    return out
+
+
+@njit(cache=True)
+def unpack_biased_lanes_into(words: np.ndarray, total_bias: int, out: np.ndarray) -> None:
+    """out[i] = lane i of the summed words minus ``total_bias`` (= P * bias): the level sums."""
+    for i in range(out.size):
+        w = np.int64(words[i // LANES_PER_INT64])
+        out[i] = ((w >> (8 * (i % LANES_PER_INT64))) & 255) - total_bias
+
+
+def unpack_biased_lanes(words: np.ndarray, n: int, total_bias: int) -> np.ndarray:
+    """``n`` int64 level sums from summed lane words."""
+    words = np.ascontiguousarray(words, dtype=np.int64).reshape(-1)
+    if n > LANES_PER_INT64 * words.size:
+        raise ValueError(f"n must be at most 7 * len(words) = {7 * words.size}, got {n}")
+    out = np.empty(n, dtype=np.int64)
+    unpack_biased_lanes_into(words, int(total_bias), out)
+    return out
+
+
+# ------------------------------------------------------------------ local norms
+@njit(cache=True)
+def abs_max(x: np.ndarray) -> float:
+    """max_i |x_i| in float64 (the inf-norm); +inf if any entry is NaN or +-Inf, 0 for empty x."""
+    m = 0.0
+    for i in range(x.size):
+        v = abs(np.float64(x[i]))
+        if not v < math.inf:  # NaN or Inf
+            return math.inf
+        m = max(m, v)
+    return m
+
+
+@njit(cache=True)
+def sum_squares(x: np.ndarray) -> float:
+    """sum_i x_i^2 accumulated in float64 (the squared l2 norm); NaN/Inf propagate."""
+    s = 0.0
+    for i in range(x.size):
+        v = np.float64(x[i])
+        s += v * v
+    return s

@@ -1,0 +1,395 @@
+"""Per-rank MPI cases for Global-QSGD and the QSGD baseline (run by tests/test_global_qsgd.py).
+
+Every case runs on all ranks with a fresh Communicator, computes dense
+references from all ranks' data (allgather), asserts what must hold on every
+rank, and returns numbers the pytest side checks against the paper's formulas.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import warnings
+
+import numpy as np
+
+import horovod_compress as hvdc
+from horovod_compress.kernels.exp_reduce import exp_reduce_packed
+from horovod_compress.mpi_collectives.reduce_ops import (allreduce_reduce_once, exp_sum_op,
+                                                         reduce_stream)
+
+D = 2048      # elements per gradient in the statistical cases
+T = 200       # independent seeds averaged in the unbiasedness / variance cases
+
+
+def _digest(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
+def _same_on_all_ranks(comm, a: np.ndarray) -> bool:
+    digests = comm.allgather_object(_digest(a))
+    return all(d == digests[0] for d in digests)
+
+
+def _gradient(comm, d: int = D) -> np.ndarray:
+    """Correlated gradients: a shared direction plus rank-specific noise, with exact zeros."""
+    shared = np.random.default_rng(7).standard_normal(d)
+    own = np.random.default_rng(100 + comm.rank).standard_normal(d)
+    x = shared + 0.3 * own
+    x[::17] = 0.0
+    return x.astype(np.float32)
+
+
+def _initial_quantization_variance(kw: dict, allx: np.ndarray, norm: float, plan: dict) -> float:
+    """Exact E||(1/P) sum_i (C_i(x_i) - x_i)||^2 of the ranks' own stochastic rounding.
+
+    Linear: y = |x| s / norm, var = f (1 - f) (norm / s)^2 with f = frac(y).
+    Exponential: z = |x| 2^-c / norm in [l, 2l], var = (2l - z)(z - l) (norm 2^c)^2.
+    """
+    p = allx.shape[0]
+    a = np.abs(allx)
+    if kw.get("dithering") == "linear":
+        s = plan["levels"]
+        y = a * s / norm
+        f = y - np.floor(y)
+        var = f * (1 - f) * (norm / s) ** 2
+    else:
+        c, emax = plan["shift"], plan["emax"]
+        z = a * 2.0 ** -c / norm
+        _, ex = np.frexp(z)                       # z in [2^(ex-1), 2^ex)
+        low = np.ldexp(1.0, ex - 1)
+        high = 2.0 * low
+        below = low < 2.0 ** -emax                # under the smallest level: between 0 and 2^-emax
+        low = np.where(below, 0.0, low)
+        high = np.where(below, 2.0 ** -emax, high)
+        var = np.where(z > 0, (high - z) * (z - low), 0.0) * (norm * 2.0 ** c) ** 2
+    return float(var.sum() / p ** 2)
+
+
+def _theorem3_bound(kw: dict, p: int, d: int, s: int, sq_norm: float) -> tuple[float, float]:
+    """(theta / n * ||x||_{2,2}^2, reduction factor) of the paper's Theorem 3.
+
+    Linear: theta = sqrt(d) / (sqrt(n) s), valid for s <= sqrt(nd), exact integer sums.
+    Exponential: theta = 1/(8n) + sqrt(d) / (sqrt(n) 2^(s-1)), valid for
+    s <= 1 + log2 sqrt(nd); more levels refine the grid and only lower the
+    variance, so s is capped there. Each of the at most P-1 stochastic
+    reductions an element goes through multiplies by 9/8 (section 4.2).
+    """
+    n = p
+    if kw.get("dithering") == "linear":
+        assert s <= math.sqrt(n * d), (s, n, d)
+        return math.sqrt(d) / (math.sqrt(n) * s) / n * sq_norm, 1.0
+    s_eff = min(s, math.floor(1 + math.log2(math.sqrt(n * d))))
+    theta = 1.0 / (8 * n) + math.sqrt(d) / (math.sqrt(n) * 2.0 ** (s_eff - 1))
+    return theta / n * sq_norm, (9.0 / 8.0) ** (p - 1)
+
+
+STAT_CONFIGS = {
+    "exp8_inf": dict(),
+    "exp8_l2": dict(norm="l2"),
+    "exp4_inf": dict(bits=4),
+    "lin8_inf": dict(dithering="linear"),
+    "lin8_l2": dict(dithering="linear", norm="l2"),
+    "lin4_inf": dict(dithering="linear", bits=4),
+}
+
+
+def case_statistics(comm):
+    """Unbiasedness and variance over T seeds, for both ditherings, both norms, 8 and 4 bits.
+
+    Returns, per configuration: R = ||mean_T - true||^2 / (MSE / T) (1 when
+    unbiased, since E||mean_T - true||^2 = MSE / T), the relative error of the
+    T-seed average, MSE over Theorem 3's bound (times (9/8)^(P-1) for
+    exponential), and MSE over the exact variance of the initial rounding.
+    """
+    x = _gradient(comm)
+    allx = comm.allgather(x).astype(np.float64)
+    true = allx.mean(0)
+    out = {}
+    for label, kw in STAT_CONFIGS.items():
+        results = np.empty((T, D))
+        saturated = 0
+        for k in range(T):
+            method = hvdc.Compression.global_qsgd(seed=k, **kw)
+            r = method.allreduce(x, "g", comm)
+            assert r.dtype == np.float32
+            if k < 3:
+                assert _same_on_all_ranks(comm, r), f"{label}: ranks disagree"
+            results[k] = r
+            saturated += int(method.state["g"].get("saturated", 0))
+        err = results - true
+        mse = float((err ** 2).sum(1).mean())
+        bias = results.mean(0) - true
+        plan = method.plan(comm.size)
+        norms = [np.abs(v).max() if kw.get("norm", "inf") == "inf" else np.linalg.norm(v)
+                 for v in allx]
+        init_var = _initial_quantization_variance(kw, allx, float(max(norms)), plan)
+        bound, factor = _theorem3_bound(kw, comm.size, D, plan["s"], float((allx ** 2).sum()))
+        # elements that are zero on every rank are exactly zero in every result
+        zero = (allx == 0).all(0)
+        assert (results[:, zero] == 0).all(), label
+        out[label] = {
+            "R": float((bias ** 2).sum() / (mse / T)),
+            "rel_err_of_mean": float(np.linalg.norm(bias) / np.linalg.norm(true)),
+            "rel_err_single": float(math.sqrt(mse) / np.linalg.norm(true)),
+            "mse_over_bound": mse / (bound * factor),
+            "mse_over_initial": mse / init_var,
+            "s": plan["s"],
+            "saturated": comm.allreduce(np.array([saturated]), op="sum").item(),
+        }
+    return out
+
+
+def case_qsgd_statistics(comm):
+    """The QSGD baseline: unbiased over T seeds, MSE equal to its exact rounding variance."""
+    x = _gradient(comm)
+    allx = comm.allgather(x).astype(np.float64)
+    true = allx.mean(0)
+    out = {}
+    for bits in (8, 4):
+        results = np.empty((T, D))
+        for k in range(T):
+            results[k] = hvdc.Compression.qsgd(bits=bits, seed=k).allreduce(x, "g", comm)
+        mse = float(((results - true) ** 2).sum(1).mean())
+        bias = results.mean(0) - true
+        s = (1 << (bits - 1)) - 1
+        init = 0.0
+        for v in allx:  # local l2 norms (float32 on the wire, rounded up)
+            norm = float(np.float32(np.linalg.norm(v)))
+            if norm < np.linalg.norm(v):
+                norm = float(np.nextafter(np.float32(norm), np.float32(np.inf)))
+            y = np.abs(v) * s / norm
+            f = y - np.floor(y)
+            init += float((f * (1 - f) * (norm / s) ** 2).sum())
+        out[f"qsgd{bits}"] = {"R": float((bias ** 2).sum() / (mse / T)),
+                              "mse_over_initial": mse / (init / comm.size ** 2)}
+    return out
+
+
+def case_bytes(comm):
+    """Measured bytes per phase against 1 byte (8-bit) / half a byte (4-bit) per element + the norm."""
+    p = comm.size
+    out = {}
+    for n in (4096, 1001):
+        x = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
+        for label, kw in {"exp8": {}, "exp4": {"bits": 4}, "lin8": {"dithering": "linear"},
+                          "lin4": {"dithering": "linear", "bits": 4}}.items():
+            method = hvdc.Compression.global_qsgd(**kw)
+            comm.reset_stats()
+            method.allreduce(x, "g", comm)
+            st = comm.stats()
+            out[f"{label}_{n}"] = {
+                "sent": st["sent"], "received": st["received"],
+                "norm": st["by_phase"]["global_qsgd.norm"]["sent"],
+                "payload": st["by_phase"]["global_qsgd.payload"]["sent"],
+                "expected": method.expected_bytes((n,), p),
+                "dense_float32": 2.0 * 4 * n * (p - 1) / p,
+            }
+        q = hvdc.Compression.qsgd()
+        comm.reset_stats()
+        q.allreduce(x, "g", comm)
+        out[f"qsgd8_{n}"] = {"sent": comm.bytes_sent, "received": comm.bytes_received,
+                             "expected": q.expected_bytes((n,), p)}
+    return out
+
+
+def case_operator(comm):
+    """The MPI operator equals the kernel; deterministic sums through the real collective."""
+    rng = np.random.default_rng(5)
+    a = rng.integers(0, 256, 4096, dtype=np.uint8)
+    b = rng.integers(0, 256, 4096, dtype=np.uint8)
+    for bits in (8, 4):
+        key = 1234 + comm.rank
+        expect, sat = exp_reduce_packed(a, b, bits, key)
+        inout = b.copy()
+        with reduce_stream(key) as st:
+            exp_sum_op(bits).Reduce_local(a, inout)
+        assert np.array_equal(inout, expect), bits
+        assert st.saturated == sat and st.counter == (a.size if bits == 8 else 2 * a.size)
+    p, n = comm.size, 1000
+    checks = {}
+    # One rank holds values, the others zeros: x + 0 = x exactly, whatever the reduction order.
+    vals = rng.integers(0, 256, n, dtype=np.uint8)
+    vals[(vals & 127) == 0] = 0  # canonical zero (a "negative zero" code reduces to 0)
+    mine = vals if comm.rank == p - 1 else np.zeros(n, np.uint8)
+    with reduce_stream(77 + comm.rank):
+        res = allreduce_reduce_once(comm, mine, exp_sum_op(8))
+    checks["zero_identity"] = bool(np.array_equal(res, vals))
+    # +v on rank 0 and -v on rank 1 (zeros elsewhere) cancel exactly.
+    e = rng.integers(1, 128, n, dtype=np.uint8)
+    mine = np.zeros(n, np.uint8)
+    if comm.rank == 0:
+        mine = e
+    elif comm.rank == 1:
+        mine = e | np.uint8(128)
+    with reduce_stream(99 + comm.rank):
+        res = allreduce_reduce_once(comm, mine, exp_sum_op(8))
+    checks["cancel"] = bool((res == 0).all())
+    # Equal values 2^-e on every rank (P a power of two): the sum is P 2^-e exactly.
+    e0 = 20
+    with reduce_stream(5 + comm.rank):
+        res = allreduce_reduce_once(comm, np.full(n, e0, np.uint8), exp_sum_op(8))
+    checks["equal_powers"] = bool((res == e0 - int(math.log2(p))).all())
+    checks["identical"] = _same_on_all_ranks(comm, res)
+    comm.reset_stats()
+    with reduce_stream(1):
+        allreduce_reduce_once(comm, np.zeros(n, np.uint8), exp_sum_op(8))
+    checks["bytes"] = comm.bytes_sent == 2.0 * n * (p - 1) / p
+    return checks
+
+
+def case_special_inputs(comm):
+    """All-zero and NaN/Inf gradients: defined results, identical on every rank, no crash."""
+    p = comm.size
+    n = 512
+    out = {}
+    methods = {"exp8": dict(), "exp4": dict(bits=4), "lin8": dict(dithering="linear"),
+               "lin4": dict(dithering="linear", bits=4), "exp8_sparse": dict(sparse=True),
+               "exp8_auto": dict(sparse="auto")}
+    for label, kw in methods.items():
+        method = hvdc.Compression.global_qsgd(**kw)
+        # 1. all-zero everywhere: exact zeros, only the norm travels
+        comm.reset_stats()
+        r = method.allreduce(np.zeros(n, np.float32), "z", comm)
+        assert (r == 0).all() and r.dtype == np.float32
+        norm_bytes = (2 * 8 if kw.get("sparse") != "auto" else 2 * 16) * (p - 1) / p
+        assert comm.bytes_sent == norm_bytes, (label, comm.bytes_sent)
+        assert method.state["z"]["zero_norm_steps"] == 1
+        # 2. zeros on one rank only: the normal path
+        x = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
+        if comm.rank == 0:
+            x[:] = 0
+        r = method.allreduce(x, "y", comm)
+        assert np.isfinite(r).all() and _same_on_all_ranks(comm, r)
+        # 3. NaN / +Inf / -Inf on one rank: the dense allreduce's result on every rank
+        for bad in (np.nan, np.inf, -np.inf):
+            x = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
+            if comm.rank == p - 1:
+                x[7] = bad
+            dense = comm.allreduce(x, op="avg")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                r = method.allreduce(x, f"bad{bad}", comm)
+            assert any(issubclass(w.category, RuntimeWarning) for w in caught), label
+            assert np.array_equal(r, dense, equal_nan=True), (label, bad)
+            assert _same_on_all_ranks(comm, r)
+            assert method.state[f"bad{bad}"]["dense_fallback_steps"] == 1
+        out[label] = True
+    q = hvdc.Compression.qsgd()
+    x = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
+    if comm.rank == 0:
+        x[3] = np.nan
+    dense = comm.allreduce(x, op="avg")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        r = q.allreduce(x, "bad", comm)
+    assert np.array_equal(r, dense, equal_nan=True)
+    r = q.allreduce(np.zeros(n, np.float32), "z", comm)
+    assert (r == 0).all()
+    out["qsgd"] = True
+    return out
+
+
+def case_exact_paths(comm):
+    """Paths whose sum is exact: the result is the mean of every rank's own quantized vector.
+
+    Linear dense (integer allreduce), both sparse paths (float64 sums of
+    gathered codes) and QSGD (allgather): avg == (1/P) sum_i local_i.
+    """
+    p = comm.size
+    n = 3001
+    rng = np.random.default_rng(comm.rank)
+    dense_x = rng.standard_normal(n).astype(np.float32)
+    sparse_x = np.zeros(n, np.float32)
+    pos = rng.choice(n, 40, replace=False)
+    sparse_x[pos] = rng.standard_normal(40)
+    out = {}
+    configs = {
+        "lin8": (dict(dithering="linear"), dense_x),
+        "lin4": (dict(dithering="linear", bits=4), dense_x),
+        "exp8_sparse": (dict(sparse=True), sparse_x),
+        "exp4_sparse": (dict(sparse=True, bits=4), sparse_x),
+        "lin8_sparse": (dict(dithering="linear", sparse=True), sparse_x),
+        "lin4_sparse": (dict(dithering="linear", sparse=True, bits=4), sparse_x),
+        "auto_sparse": (dict(sparse="auto"), sparse_x),
+        "auto_dense": (dict(sparse="auto"), dense_x),
+    }
+    for label, (kw, x) in configs.items():
+        method = hvdc.Compression.global_qsgd(feedback="none", **kw)
+        comm.reset_stats()
+        avg, local = method._reduce(x, "g", comm, method.state.setdefault("g", _state()))
+        st = comm.stats()
+        locals_ = comm.allgather(local).astype(np.float64)
+        ref = locals_.mean(0)
+        err = float(np.abs(avg - ref).max() / np.abs(ref).max())
+        nnz = comm.allgather(np.array([np.count_nonzero(local)]))[:, 0]
+        out[label] = {"err": err, "ops": sorted(st["by_op"]), "nnz": nnz.tolist(),
+                      "payload_sent": st["by_phase"]["global_qsgd.payload"]["sent"],
+                      "identical": _same_on_all_ranks(comm, avg),
+                      "local_rel_err": float(np.linalg.norm(local - x) / np.linalg.norm(x))}
+    q = hvdc.Compression.qsgd(bits=4)
+    avg, local = q._reduce(dense_x, "g", comm, q.state.setdefault("g", _state()))
+    ref = comm.allgather(local).astype(np.float64).mean(0)
+    out["qsgd4"] = {"err": float(np.abs(avg - ref).max() / np.abs(ref).max()),
+                    "identical": _same_on_all_ranks(comm, avg)}
+    return out
+
+
+def _state():
+    from horovod_compress.compressors.base import TensorState
+    return TensorState({"t": 1})
+
+
+def case_reproducible(comm):
+    """Fixed seed -> identical bits across runs and after a checkpoint restore; new seed differs."""
+    x = _gradient(comm, 777)
+    out = {}
+    for label, kw in {"exp8": {}, "exp4": {"bits": 4}, "lin8": {"dithering": "linear"},
+                      "sparse": {"sparse": True}}.items():
+        a = hvdc.Compression.global_qsgd(seed=3, **kw)
+        b = hvdc.Compression.global_qsgd(seed=3, **kw)
+        c = hvdc.Compression.global_qsgd(seed=4, **kw)
+        ra = [a.allreduce(x, "g", comm) for _ in range(3)]
+        rb = [b.allreduce(x, "g", comm) for _ in range(3)]
+        rc = c.allreduce(x, "g", comm)
+        ckpt = a.state_dict()
+        next_a = a.allreduce(x, "g", comm)
+        d = hvdc.Compression.global_qsgd(seed=3, **kw)
+        d.load_state_dict(ckpt)
+        next_d = d.allreduce(x, "g", comm)
+        out[label] = {
+            "same_seed_equal": all(np.array_equal(u, v) for u, v in zip(ra, rb)),
+            "steps_differ": not np.array_equal(ra[0], ra[1]),
+            "other_seed_differs": not np.array_equal(ra[0], rc),
+            "restored_equal": bool(np.array_equal(next_a, next_d)),
+            "digest": _digest(ra[2]),
+        }
+    return out
+
+
+def case_float64_and_shapes(comm):
+    """float64 and 2-D inputs keep dtype and shape; 1-element and odd sizes work at 4 bits."""
+    for kw in ({}, {"bits": 4}, {"dithering": "linear", "bits": 4}):
+        m = hvdc.Compression.global_qsgd(**kw)
+        x = np.random.default_rng(comm.rank).standard_normal((7, 5))
+        r = m.allreduce(x, "w", comm)
+        assert r.shape == (7, 5) and r.dtype == np.float64
+        one = m.allreduce(np.array([comm.rank + 1.0], np.float32), "one", comm)
+        assert one.shape == (1,) and np.isfinite(one).all()
+    return True
+
+
+TRAIN_EPOCHS = 40
+
+
+def case_train_digits(comm):
+    """The digits MLP through the PyTorch DistributedOptimizer: dense vs Global-QSGD exp 8-bit."""
+    from horovod_compress.bench.digits import train_digits
+    out = {}
+    for label, method in {"none": hvdc.Compression.none(),
+                          "exp8": hvdc.Compression.global_qsgd()}.items():
+        r = train_digits(method, comm, epochs=TRAIN_EPOCHS, seed=0)
+        digests = comm.allgather_object(r["params_digest"])
+        assert len(set(digests)) == 1, f"{label}: ranks ended with different parameters"
+        out[label] = {k: r[k] for k in ("test_accuracy", "bytes_sent_per_step",
+                                       "dense_bytes_per_step", "num_params", "steps")}
+    return out

@@ -1,0 +1,325 @@
+"""Global-QSGD kernels on one process: the exponential reduce (Algorithm 2) exhaustively,
+the quantizers' rounding probabilities, packing, the SWAR nibble sum and the RNG."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import horovod_compress as hvdc
+from horovod_compress.compressors.global_qsgd import exp_shift, linear_levels
+from horovod_compress.kernels.exp_reduce import exp_reduce_codes, exp_reduce_packed
+from horovod_compress.kernels.quantize import (exp_dequantize, exp_quantize, linear_dequantize,
+                                               linear_quantize, nibble_add_into, pack_biased_lanes,
+                                               pack_nibbles, random_uniforms, random_words,
+                                               unpack_biased_lanes, unpack_nibbles)
+
+
+def _breakpoint_words() -> tuple[np.ndarray, np.ndarray]:
+    """Both ends of r = 0 and of every dyadic interval [2^j, 2^(j+1)), j = 0..63.
+
+    The kernel compares r with powers of two only, so its output is constant on
+    each interval (checked); interval j has probability 2^j / 2^64, r = 0 has 2^-64.
+    """
+    lows = [0] + [1 << j for j in range(64)]
+    highs = [0] + [(1 << (j + 1)) - 1 for j in range(64)]
+    return np.array(lows, dtype=np.uint64), np.array(highs, dtype=np.uint64)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_reduce_exhaustive_exact_expectation(bits):
+    """Every pair of codes: E[reduce(a, b)] == a + b exactly, from the kernel's own outputs.
+
+    Values are integers in units of 2^-emax and probabilities integers in units
+    of 2^-64, so the expectation is computed without rounding. Exceptions,
+    each checked exactly: a same-sign pair with a 1/2 whose sum may round up
+    to 1 saturates at 1/2 (the code cannot hold 1), and a pair whose exponents
+    differ by 64 or more keeps the larger operand (bias < 2^-64 of it).
+    """
+    sign_shift = 7 if bits == 8 else 3
+    emax = (1 << sign_shift) - 1
+    ncodes = 1 << bits
+    codes = np.arange(ncodes, dtype=np.uint8)
+    a = np.repeat(codes, ncodes)
+    b = np.tile(codes, ncodes)
+    lows, highs = _breakpoint_words()
+    outs = np.empty((65, a.size), dtype=np.uint8)
+    for j, (lo, hi) in enumerate(zip(lows, highs)):
+        at_lo = exp_reduce_codes(a, b, np.full(a.size, lo, np.uint64), bits)
+        at_hi = exp_reduce_codes(a, b, np.full(a.size, hi, np.uint64), bits)
+        assert np.array_equal(at_lo, at_hi), f"output not constant on dyadic interval {j}"
+        outs[j] = at_lo
+    # Two outcomes at most: "low" = output at r = 0, "high" = output at r near 2^64.
+    out_low, out_high = outs[0], outs[64]
+    assert ((outs == out_low) | (outs == out_high)).all()
+    # weight of the "high" outcome, in units of 2^-64: sum of 2^j over intervals j where it occurs
+    is_high = (outs[1:] == out_high) & (out_high != out_low)
+    mask = (is_high.astype(np.uint64) << np.arange(64, dtype=np.uint64)[:, None]).sum(0)
+    emask = emax
+
+    def value(code: int) -> int:  # in units of 2^-emax
+        e = code & emask
+        if e == 0:
+            return 0
+        return (-1 if (code >> sign_shift) & 1 else 1) << (emax - e)
+
+    counts = {"exact": 0, "saturated": 0, "dropped": 0}
+    for col in range(a.size):
+        ca, cb = int(a[col]), int(b[col])
+        lo_code, hi_code = int(out_low[col]), int(out_high[col])
+        for o in (lo_code, hi_code):  # canonical, valid codes: zero carries no sign bit
+            assert (o & emask) != 0 or o == 0
+        w_high = int(mask[col])
+        expect_2_64 = (2**64 - w_high) * value(lo_code) + w_high * value(hi_code)
+        va, vb = value(ca), value(cb)
+        ea, eb = ca & emask, cb & emask
+        same_sign = va * vb > 0
+        if same_sign and min(ea, eb) == 1:
+            half = value(ca) if ea == 1 else value(cb)
+            assert lo_code == hi_code and value(lo_code) == half, (ca, cb)
+            counts["saturated"] += 1
+        elif va and vb and abs(ea - eb) - (0 if same_sign else 1) >= 64:
+            larger = va if ea < eb else vb
+            assert expect_2_64 == 2**64 * larger, (ca, cb)
+            counts["dropped"] += 1
+        else:
+            assert expect_2_64 == 2**64 * (va + vb), (ca, cb)
+            counts["exact"] += 1
+    assert sum(counts.values()) == ncodes ** 2
+    assert counts["exact"] > 0.7 * ncodes ** 2, counts
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_reduce_zero_and_cancellation_are_deterministic(bits):
+    sign_shift = 7 if bits == 8 else 3
+    emax = (1 << sign_shift) - 1
+    e = np.arange(1, emax + 1, dtype=np.uint8)
+    r = random_words(np.uint64(11), np.uint64(0), e.size)
+    for rr in (r, np.zeros_like(r), np.full_like(r, np.iinfo(np.uint64).max)):
+        assert np.array_equal(exp_reduce_codes(e, np.zeros_like(e), rr, bits), e)          # x + 0
+        assert np.array_equal(exp_reduce_codes(np.zeros_like(e), e, rr, bits), e)          # 0 + x
+        neg = e | np.uint8(1 << sign_shift)
+        assert np.array_equal(exp_reduce_codes(e, neg, rr, bits), np.zeros_like(e))        # x - x
+        assert np.array_equal(exp_reduce_codes(neg, e, rr, bits), np.zeros_like(e))
+        assert np.array_equal(exp_reduce_codes(neg, np.zeros_like(e), rr, bits), neg)      # -x + 0
+
+
+def _paper_algorithm2(sign1, e1, sign2, e2, p, s):
+    """Algorithm 2 transcribed line by line (float p, log2, floor) as the reference."""
+    m = s + 1
+    k = -math.floor(math.log2(2.0 ** -m + max(0.0, p - 2.0 ** -m)))
+    gz1, gz2 = int(e1 > 0), int(e2 > 0)
+    sign12 = sign1 * sign2 * gz1 * gz2
+    diff = abs(e1 - e2) - (1 - sign12) // 2
+    smaller = (int(e1 <= e2) + (1 - gz2)) * gz1
+    non_zero = 1 - int(e1 == e2 and sign12 == -1)
+    sign = sign1 * smaller + sign2 * (1 - smaller)
+    e = (e1 * smaller + e2 * (1 - smaller)) * non_zero - sign12 * int(k > diff) * non_zero
+    return sign, e
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_reduce_matches_paper_algorithm2_line_by_line(bits):
+    """Random codes and p: the kernel (integer threshold on r = p 2^64) equals the paper's formula."""
+    sign_shift = 7 if bits == 8 else 3
+    emax = (1 << sign_shift) - 1
+    rng = np.random.default_rng(2)
+    n = 20000
+    e1 = rng.integers(0, emax + 1, n)
+    e2 = np.clip(e1 + rng.integers(-6, 7, n), 0, emax)  # mostly close exponents: both outcomes occur
+    s1 = rng.integers(0, 2, n)
+    s2 = rng.integers(0, 2, n)
+    p = rng.random(n)
+    r = np.array([int(v * 2.0 ** 64) for v in p], dtype=np.uint64)
+    a = (e1 | (s1 << sign_shift)).astype(np.uint8)
+    b = (e2 | (s2 << sign_shift)).astype(np.uint8)
+    out = exp_reduce_codes(a, b, r, bits)
+    mismatches = 0
+    for i in range(n):
+        sign, e = _paper_algorithm2(1 - 2 * int(s1[i]), int(e1[i]), 1 - 2 * int(s2[i]), int(e2[i]),
+                                    float(p[i]), emax)
+        if e == 0 and e1[i] > 0 and e2[i] > 0 and s1[i] == s2[i]:
+            e = 1  # the paper's 2^0 = 1 is saturated at 1/2 (documented)
+        expect = e | ((1 if (sign < 0 and e > 0) else 0) << sign_shift)
+        mismatches += int(out[i]) != expect
+    assert mismatches == 0
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_packed_reduce_uses_the_documented_words(bits):
+    """The operator's inner loop = the pure kernel with words counter+i (8-bit) / counter+2i(+1)."""
+    rng = np.random.default_rng(3)
+    ncodes = 1000
+    a = rng.integers(0, 1 << bits, ncodes).astype(np.uint8)
+    b = rng.integers(0, 1 << bits, ncodes).astype(np.uint8)
+    key, counter = 987654321, 4242
+    words = random_words(np.uint64(key), np.uint64(counter), ncodes)
+    expect = exp_reduce_codes(a, b, words, bits)
+    if bits == 8:
+        got, _ = exp_reduce_packed(a, b, 8, key, counter)
+    else:
+        packed, _ = exp_reduce_packed(pack_nibbles(a), pack_nibbles(b), 4, key, counter)
+        got = unpack_nibbles(packed, ncodes)
+    assert np.array_equal(got, expect)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_exp_quantize_levels_and_probabilities(bits):
+    """Adjacent power-of-two levels with P(up) = 2m - 1 (5-sigma), exact powers unchanged, specials 0."""
+    emax = 127 if bits == 8 else 7
+    n = 40000
+    for y, low_e in [(0.3, 2), (0.126, 3), (0.0390625, 5), (0.6 * 2.0 ** -emax, None)]:
+        x = np.full(n, -y, dtype=np.float64)
+        codes = exp_quantize(x, 1.0, bits, key=17)
+        vals = exp_dequantize(codes, 1.0, bits, np.float64)
+        if low_e is None:        # below the smallest level: 0 or -2^-emax
+            p_up = y * 2.0 ** emax
+            up = vals == -(2.0 ** -emax)
+            assert set(np.unique(vals)) <= {0.0, -(2.0 ** -emax)}
+        else:
+            lo = 2.0 ** -low_e
+            p_up = (y - lo) / lo
+            up = vals == -2 * lo
+            assert set(np.unique(vals)) <= {-lo, -2 * lo}
+        sigma = math.sqrt(p_up * (1 - p_up) / n)
+        assert abs(up.mean() - p_up) < 5 * sigma, (y, up.mean(), p_up)
+        assert abs(vals.mean() + y) < 5 * sigma * (2 * y)
+    exact = np.array([0.5, 0.25, -2.0 ** -6, 0.0, -0.0])
+    assert np.array_equal(exp_dequantize(exp_quantize(exact, 1.0, bits, 1), 1.0, bits, np.float64),
+                          [0.5, 0.25, -2.0 ** -6, 0.0, 0.0])
+    special = np.array([np.nan, np.inf, -np.inf], np.float32)
+    assert (exp_quantize(special, 1.0, bits, 1) == 0).all()
+    assert (exp_quantize(np.array([0.9]), 1.0, bits, 1) == 1).all()  # above 1/2: saturated to 1/2
+
+
+def test_linear_quantize_levels_and_probabilities():
+    n = 40000
+    s = 7
+    for y in (0.1, 0.55, 0.93):
+        x = np.full(n, y, dtype=np.float32)
+        q = linear_quantize(x, 1.0, s, key=5)
+        lo = math.floor(y * s)
+        assert set(np.unique(q).tolist()) <= {lo, lo + 1}
+        p_up = y * s - lo
+        sigma = math.sqrt(p_up * (1 - p_up) / n)
+        assert abs((q == lo + 1).mean() - p_up) < 5 * sigma
+    assert np.array_equal(linear_quantize(np.array([-1.0, 0.0, 1.0, 3 / 7]), 1.0, 7, 1), [-7, 0, 7, 3])
+    assert (linear_quantize(np.array([np.nan, np.inf, -np.inf]), 1.0, 7, 1) == 0).all()
+    assert np.array_equal(linear_dequantize(np.array([-7, 3], np.int8), 0.5), [-3.5, 1.5])
+    with pytest.raises(ValueError, match="levels"):
+        linear_quantize(np.ones(3), 1.0, 128, 1)
+
+
+def test_pack_unpack_roundtrip_and_layout():
+    codes = np.arange(16, dtype=np.uint8)
+    packed = pack_nibbles(codes)
+    assert packed.size == 8 and packed[0] == 0x10 and packed[7] == 0xFE
+    assert np.array_equal(unpack_nibbles(packed, 16), codes)
+    odd = np.array([3, 9, 12], np.uint8)
+    assert np.array_equal(unpack_nibbles(pack_nibbles(odd), 3), odd)
+    levels = np.array([-8, -7, -1, 0, 1, 7, 3], np.int8)
+    assert np.array_equal(unpack_nibbles(pack_nibbles(levels), 7, signed=True), levels)
+    with pytest.raises(ValueError):
+        unpack_nibbles(packed, 17)
+
+
+def test_nibble_add_exhaustive():
+    """All pairs of signed nibble values whose sum fits in [-8, 7], in both lanes at once."""
+    vals = np.arange(-8, 8)
+    a, b = np.meshgrid(vals, vals)
+    ok = (a + b >= -8) & (a + b <= 7)
+    a, b = a[ok], b[ok]
+    pa = ((a & 15) | ((b & 15) << 4)).astype(np.uint8)   # lane0 = a, lane1 = b
+    pb = ((b & 15) | ((a & 15) << 4)).astype(np.uint8)   # lane0 = b, lane1 = a
+    out = np.empty_like(pa)
+    nibble_add_into(pa, pb, out)
+    lo = unpack_nibbles(out, 2 * out.size, signed=True)
+    assert np.array_equal(lo[0::2], a + b) and np.array_equal(lo[1::2], a + b)
+
+
+@pytest.mark.parametrize("p", [1, 2, 4, 127])
+def test_biased_lanes_sum_without_carries(p):
+    """Words of 7 biased byte lanes, summed as plain int64 over P 'ranks', give the level sums."""
+    s = 127 // p
+    rng = np.random.default_rng(p)
+    n = 7 * 50 + 3  # a padded tail
+    levels = rng.integers(-s, s + 1, (p, n)).astype(np.int8)
+    levels[:, :4] = s       # extremes: every lane total at its bounds 0 and 2 s P
+    levels[:, 4:8] = -s
+    words = np.stack([pack_biased_lanes(q, s) for q in levels])
+    assert words.shape == (p, 51) and (words >= 0).all() and (words < 2**56).all()
+    total = words.sum(0)    # what an integer MPI_SUM / Horovod Sum computes
+    assert np.array_equal(unpack_biased_lanes(total, n, p * s), levels.astype(np.int64).sum(0))
+
+
+def test_counter_based_rng_reproducible_and_uniform():
+    u1 = random_uniforms(np.uint64(42), np.uint64(0), 100000)
+    u2 = random_uniforms(np.uint64(42), np.uint64(0), 100000)
+    assert np.array_equal(u1, u2)
+    # any window of the stream is reproducible on its own (what parallel/GPU code relies on)
+    assert np.array_equal(random_uniforms(np.uint64(42), np.uint64(500), 10), u1[500:510])
+    assert not np.array_equal(random_uniforms(np.uint64(43), np.uint64(0), 100000), u1)
+    assert ((u1 >= 0) & (u1 < 1)).all()
+    counts = np.histogram(u1, bins=20, range=(0, 1))[0]
+    chi2 = ((counts - 5000) ** 2 / 5000).sum()
+    assert chi2 < 50  # 19 degrees of freedom: P(chi2 > 50) < 2e-4
+    w = random_words(np.uint64(7), np.uint64(0), 100000)
+    bits = np.unpackbits(w.view(np.uint8)).mean()
+    assert abs(bits - 0.5) < 0.005
+
+
+def test_level_counts_follow_bits_and_world_size():
+    assert [linear_levels(8, p) for p in (1, 2, 4, 127)] == [127, 63, 31, 1]
+    assert [linear_levels(4, p) for p in (1, 2, 4, 7)] == [7, 3, 1, 1]
+    assert linear_levels(4, 64, sparse=True) == 7
+    with pytest.raises(ValueError, match="cannot sum 8 ranks"):
+        linear_levels(4, 8)
+    with pytest.raises(ValueError, match="cannot sum 128 ranks"):
+        linear_levels(8, 128)
+    assert exp_shift(8, 4, 0) == 3 and exp_shift(8, 4, 16) == 19 and exp_shift(8, 3, 0) == 3
+    assert exp_shift(4, 4, 0) == 3 and exp_shift(4, 1, 0) == 1 and exp_shift(4, 64, 0, sparse=True) == 1
+    with pytest.raises(ValueError, match="level"):
+        exp_shift(4, 64, 0)  # 2^7 >= 2P leaves one level below 1
+
+
+class _NoComm(SimpleNamespace):
+    def allreduce(self, *args, **kwargs):
+        raise AssertionError("an impossible configuration must fail before any communication")
+
+
+def test_impossible_linear_configuration_raises_before_communication():
+    method = hvdc.Compression.global_qsgd(dithering="linear", bits=4)
+    with pytest.raises(ValueError, match="overflow"):
+        method.allreduce(np.ones(10, np.float32), "g", _NoComm(size=8, rank=0))
+
+
+def test_constructor_validation():
+    for bad in ({"dithering": "log"}, {"bits": 2}, {"bits": 6}, {"bits": "8"}, {"norm": "l1"},
+                {"sparse": "yes"}, {"headroom": -1}, {"headroom": 5, "bits": 4},
+                {"dithering": "linear", "headroom": 2}, {"seed": -1}, {"feedback": "nope"}):
+        with pytest.raises(ValueError):
+            hvdc.Compression.global_qsgd(**bad)
+    for bad in ({"bits": 3}, {"norm": "l0"}):
+        with pytest.raises(ValueError):
+            hvdc.Compression.qsgd(**bad)
+    m = hvdc.Compression.global_qsgd()
+    assert m.params()["dithering"] == "exponential" and m.bits == 8 and m.norm == "inf"
+    assert m.headroom == 16 and not m.biased and m.feedback.name == "none"
+    assert hvdc.Compression.global_qsgd(bits=4).headroom == 0
+    assert hvdc.Compression.global_qsgd(dithering="linear").horovod_compatible
+    assert not hvdc.Compression.global_qsgd().horovod_compatible
+    assert not hvdc.Compression.global_qsgd(dithering="linear", bits=4).horovod_compatible
+    assert hvdc.Compression.qsgd().levels == 127 and hvdc.Compression.qsgd(bits=4).levels == 7
+
+
+def test_expected_bytes_formula():
+    m8 = hvdc.Compression.global_qsgd()
+    m4 = hvdc.Compression.global_qsgd(bits=4)
+    for p in (2, 4, 16):
+        n = 10**6
+        assert m8.expected_bytes((n,), p) == 2 * (8 + n) * (p - 1) / p
+        assert m4.expected_bytes((1000, 1001), p) == 2 * (8 + 500500) * (p - 1) / p
+        assert hvdc.Compression.qsgd().expected_bytes((n,), p) == (p - 1) * (4 + n)
+    assert hvdc.Compression.global_qsgd(sparse=True).expected_bytes((10,), 4) is None
