@@ -1,0 +1,64 @@
+"""``gtopk`` -- gTopk: a reduction tree that re-selects the top k at every level.
+
+Each rank selects its exact local top-k (k = density * n) of its input x_i.
+Along a binomial tree of ceil(log2 P) levels the receiving rank adds its own
+and the sender's k entries and keeps the k largest; rank 0 broadcasts the
+final k (Shi et al., ICDCS'19; Ok-Topk paper, Table 1). For P = 4:
+
+    u = Topk( Topk(Topk(x_0) + Topk(x_1)) + Topk(Topk(x_2) + Topk(x_3)) ),  avg = u / P
+
+Volume: ``4k log P`` words in Table 1's model (tree reduce + tree broadcast);
+here rank 0 receives 2k words per level and sends 2k once (broadcast).
+Biased; with the default ``residual`` feedback a rank's residual forgets only
+its local entries that are in the final k (the reference code's
+``included_indexes``), like Ok-Topk. The collective is
+:func:`horovod_compress.mpi_collectives.sparse_allreduce_baselines.gtopk_allreduce`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .base import Method, TensorState
+from .registry import register
+from .sparse_common import check_density, k_from_density, topk_indices
+
+
+@register
+class GTopk(Method):
+    """Global top-k by a reduction tree with re-selection (gTopk)."""
+
+    name = "gtopk"
+    biased = True
+    default_feedback = "residual"
+
+    def __init__(self, *, density: float = 0.01, feedback: str | None = None,
+                 warmup_steps: int = 0, seed: int = 0, **feedback_params: Any) -> None:
+        self.density = check_density(self.name, density)
+        super().__init__(feedback=feedback, warmup_steps=warmup_steps, seed=seed,
+                         **feedback_params)
+
+    def params(self) -> dict[str, Any]:
+        return {"density": self.density, **self.feedback.params()}
+
+    def _reduce(self, x: np.ndarray, name: str, comm: Any,
+                state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+        # imported here: importing the package must not start MPI
+        from ..mpi_collectives.coo_messages import check_index_range
+        from ..mpi_collectives.sparse_allreduce_baselines import gtopk_allreduce
+
+        flat = x.reshape(-1)
+        check_index_range(flat.size, self.name)
+        k = k_from_density(self.name, self.density, flat.size)
+        idx = np.sort(topk_indices(flat, k))
+        g_idx, g_val = gtopk_allreduce(comm, idx, flat[idx], k)
+        avg = np.zeros_like(flat)
+        avg[g_idx] = g_val / flat.dtype.type(comm.size)
+        involved = np.intersect1d(idx, g_idx, assume_unique=True)
+        local = np.zeros_like(flat)
+        local[involved] = flat[involved]
+        return avg.reshape(x.shape), local.reshape(x.shape)
+
+
+__all__ = ["GTopk"]

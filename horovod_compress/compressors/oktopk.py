@@ -1,0 +1,123 @@
+"""``oktopk`` -- Ok-Topk SGD (Li & Hoefler, PPoPP'22, Algorithm 2) on the O(k) sparse allreduce.
+
+Per rank and tensor (or fused bucket), with the default ``residual`` feedback:
+
+    acc_i = e_i + g_i                                   (Algorithm 2, line 4)
+    u, idx_i = ok_sparse_allreduce(acc_i, t, k)          (line 5; Algorithm 1)
+    e_i = acc_i with acc_i[idx_i] = 0                    (line 6)
+    the optimizer receives u / P                         (line 7)
+
+where ``u = Topk(sum_i Topk(acc_i))`` (selected with thresholds that are
+exact every ``tau_prime`` steps and reused in between) and ``idx_i`` is the
+intersection of this rank's local top-k indices with the global ones: a local
+entry that did not make the global top-k stays in the residual.
+``_reduce`` therefore returns as ``local`` the accumulator restricted to
+``idx_i``. The paper folds the learning rate into the accumulator
+(``acc = e + lr * g``); like every method here we accumulate raw gradients and
+let the wrapped optimizer apply ``lr`` (identical for SGD with a constant
+rate, and it works with any optimizer).
+
+Volume per rank and step: below ``6k(P-1)/P`` words (Table 1, Equation 3),
+independent of P; ``2k(P-1)/P`` is the lower bound (Theorem 3.1). A step that
+re-evaluates the thresholds (one in ``tau_prime``) allgathers every rank's
+reduced region instead. The collective itself is
+:func:`horovod_compress.mpi_collectives.oktopk.ok_sparse_allreduce`.
+
+Warm-up: the paper's reference code runs dense allreduces first (128
+iterations in its LSTM/VGG code, ALGORITHMS.md quotes 512 for BERT) -- the
+gradient distribution changes fastest at the start, when reused thresholds
+would be least accurate. Those runs last tens of thousands of steps; our
+default is ``warmup_steps=32`` (one threshold period ``tau_prime``), which keeps
+the same idea without making a short run (hundreds of steps) mostly dense.
+Pass ``warmup_steps=128`` to follow the reference.
+
+Guards (ours, see :mod:`horovod_compress.mpi_collectives.oktopk`): a reused
+threshold that selects more than ``local_guard * k`` local or
+``global_guard * k`` global entries is re-evaluated exactly on the spot
+(default 2; ``None`` disables a guard, giving the reference behaviour).
+
+State per tensor (checkpointed with the optimizer): ``local_th``,
+``global_th``, ``boundaries`` (P+1 offsets), the residual ``fb_residual``,
+the step counter ``t``, and the last step's ``local_count``/``global_count``.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from .base import Method, TensorState
+from .params import check_float, check_int
+from .registry import register
+from .sparse_common import check_density, k_from_density
+
+DEFAULT_WARMUP_STEPS = 32
+
+
+@register
+class OkTopk(Method):
+    """Ok-Topk: O(k) sparse allreduce with reused thresholds and residuals (Algorithm 2)."""
+
+    name = "oktopk"
+    biased = True
+    default_feedback = "residual"
+
+    def __init__(self, *, density: float = 0.01, k: int | None = None, tau: int = 64,
+                 tau_prime: int = 32, warmup_steps: int = DEFAULT_WARMUP_STEPS,
+                 bucket_size: int = 4, balance_factor: float = 4.0,
+                 local_guard: float | None = 2.0, global_guard: float | None = 2.0,
+                 feedback: str | None = None, seed: int = 0, **feedback_params: Any) -> None:
+        self.density = check_density(self.name, density)
+        self.k = None if k is None else check_int(self.name, "k", k, 1)
+        self.tau = check_int(self.name, "tau", tau, 1)
+        self.tau_prime = check_int(self.name, "tau_prime", tau_prime, 1)
+        self.bucket_size = check_int(self.name, "bucket_size", bucket_size, 1)
+        self.balance_factor = check_float(self.name, "balance_factor", balance_factor, 1.0)
+        self.local_guard = (None if local_guard is None else
+                            check_float(self.name, "local_guard", local_guard, 1.0))
+        self.global_guard = (None if global_guard is None else
+                             check_float(self.name, "global_guard", global_guard, 1.0))
+        super().__init__(feedback=feedback, warmup_steps=warmup_steps, seed=seed,
+                         **feedback_params)
+
+    def params(self) -> dict[str, Any]:
+        return {"density": self.density, "k": self.k, "tau": self.tau,
+                "tau_prime": self.tau_prime, "bucket_size": self.bucket_size,
+                "balance_factor": self.balance_factor, "local_guard": self.local_guard,
+                "global_guard": self.global_guard, **self.feedback.params()}
+
+    def k_for(self, n: int) -> int:
+        """k for a tensor of n entries: ``k`` if given (may exceed n), else density * n."""
+        if self.k is not None:
+            return self.k
+        return max(1, k_from_density(self.name, self.density, n))
+
+    def schedule(self) -> Any:
+        """The :class:`~horovod_compress.mpi_collectives.oktopk.OkTopkSchedule` of this method.
+
+        Imported here, not at module level: importing the package must not start MPI.
+        """
+        from ..mpi_collectives.oktopk import OkTopkSchedule
+
+        return OkTopkSchedule(
+            tau=self.tau, tau_prime=self.tau_prime, bucket_size=self.bucket_size,
+            balance_factor=self.balance_factor,
+            local_guard=math.inf if self.local_guard is None else self.local_guard,
+            global_guard=math.inf if self.global_guard is None else self.global_guard)
+
+    def _reduce(self, x: np.ndarray, name: str, comm: Any,
+                state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+        from ..mpi_collectives.oktopk import ok_sparse_allreduce
+
+        flat = x.reshape(-1)
+        step = state.t - self.warmup_steps  # Algorithm 1's t: 1 at the first sparse step
+        res = ok_sparse_allreduce(comm, flat, self.k_for(flat.size), step, state, self.schedule())
+        avg = np.zeros_like(flat)
+        avg[res.indices] = res.values / flat.dtype.type(comm.size)
+        local = np.zeros_like(flat)
+        local[res.involved] = flat[res.involved]
+        return avg.reshape(x.shape), local.reshape(x.shape)
+
+
+__all__ = ["DEFAULT_WARMUP_STEPS", "OkTopk"]

@@ -1,0 +1,62 @@
+"""``topk_dsa`` -- TopkDSA: SparCML's dynamic sparse allreduce of the local top-k.
+
+Each rank selects its exact local top-k (k = density * n) of its input x_i;
+a sparse reduce-scatter over P equal regions of the index space sums them,
+and an allgatherv distributes the reduced regions, each sparse or dense --
+whichever is smaller (Renggli et al., SC'19; Ok-Topk paper, Table 1):
+
+    avg = (1/P) * sum_i Topk(x_i)          (the same result as TopkA)
+
+Volume per rank: ``4k(P-1)/P`` words in the best case (every rank selects
+the same indices), up to ``(2k + n)(P-1)/P`` when fill-in makes the reduced
+regions dense. The collective is
+:func:`horovod_compress.mpi_collectives.sparse_allreduce_baselines.dsa_allreduce`.
+Biased, so the default feedback is ``residual``: what a rank did not select
+stays in its residual.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .base import Method, TensorState
+from .registry import register
+from .sparse_common import check_density, k_from_density, topk_indices
+
+
+@register
+class TopkDSA(Method):
+    """Local top-k + SparCML dynamic sparse allreduce (TopkDSA)."""
+
+    name = "topk_dsa"
+    biased = True
+    default_feedback = "residual"
+
+    def __init__(self, *, density: float = 0.01, feedback: str | None = None,
+                 warmup_steps: int = 0, seed: int = 0, **feedback_params: Any) -> None:
+        self.density = check_density(self.name, density)
+        super().__init__(feedback=feedback, warmup_steps=warmup_steps, seed=seed,
+                         **feedback_params)
+
+    def params(self) -> dict[str, Any]:
+        return {"density": self.density, **self.feedback.params()}
+
+    def _reduce(self, x: np.ndarray, name: str, comm: Any,
+                state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+        # imported here: importing the package must not start MPI
+        from ..mpi_collectives.coo_messages import check_index_range
+        from ..mpi_collectives.sparse_allreduce_baselines import dsa_allreduce
+
+        flat = x.reshape(-1)
+        check_index_range(flat.size, self.name)
+        idx = np.sort(topk_indices(flat, k_from_density(self.name, self.density, flat.size)))
+        total, info = dsa_allreduce(comm, idx, flat[idx], flat.size)
+        state["fill_in"] = int(info["nnz"])
+        avg = total / flat.dtype.type(comm.size)
+        local = np.zeros_like(flat)
+        local[idx] = flat[idx]
+        return avg.reshape(x.shape), local.reshape(x.shape)
+
+
+__all__ = ["TopkDSA"]

@@ -1,0 +1,241 @@
+"""Top-k selection kernels (Numba, CPU): thresholds, threshold selection, COO sums.
+
+The sparsifying methods (Ok-Topk and its baselines, Ok-Topk paper Section
+3.1.3) need four hot loops, each written here as a pure function (NumPy arrays
+in, NumPy arrays or scalars out, no state, no communication) so a GPU backend
+can provide the same functions with the same contracts:
+
+* :func:`kth_largest_abs` -- the *exact* k-th largest ``|x|`` without sorting:
+  a radix select on the IEEE-754 bit patterns of ``|x|`` (which order like the
+  magnitudes), 16 bits per pass: two passes over ``x`` for float32, four for
+  float64, O(n) time and a 65536-bin histogram of memory. This is Ok-Topk's
+  ``th_re_evaluate`` (Algorithm 1, lines 3 and 11).
+* :func:`select_by_threshold` -- the entries with ``|x| >= threshold`` (and
+  ``x != 0``) as COO ``(indices, values)`` in ascending index order, in one
+  compare pass. With a reused threshold this *is* Ok-Topk's top-k selection
+  (Section 3.1.3: "Top-k selection according to a threshold only requires n
+  comparisons").
+* :func:`gaussian_threshold` -- the *estimated* k-th largest ``|x|`` of
+  Gaussiank (Shi et al. 2019; Ok-Topk paper Section 2): the percent-point
+  function of a normal distribution with the mean and standard deviation of
+  ``x``, one pass for the moments, no selection at all.
+* :func:`coo_sum` -- a sparse reduction: sum the values of equal indices of a
+  COO list (duplicates added in input order, in float64), returning the
+  result sorted by index. This is the reduction of split-and-reduce, TopkDSA's
+  reduce-scatter and gTopk's tree.
+
+Zero entries are never selected: a zero carries no information, and this keeps
+all-zero gradients (and thresholds of 0) from turning into dense messages.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+# ----------------------------------------------------------------- exact k-th
+@njit(cache=True)
+def _radix_kth_largest_key(bits, k, nbits, absmask):
+    """Key (bit pattern of |x|) of the k-th largest |x|; ``1 <= k <= bits.size``.
+
+    Keys of non-negative IEEE floats order like the floats, so the k-th
+    largest key is found 16 bits at a time: histogram the next digit of the
+    keys that share the prefix found so far, walk the histogram from the top
+    until the count reaches the rank still wanted, extend the prefix.
+    """
+    n = bits.size
+    hist = np.zeros(65536, np.int64)
+    prefix = np.uint64(0)
+    remaining = k
+    npass = nbits // 16
+    sixteen = np.uint64(16)
+    for p in range(npass):
+        shift = np.uint64(nbits - 16 * (p + 1))
+        hist[:] = 0
+        if p == 0:
+            for i in range(n):
+                key = np.uint64(bits[i]) & absmask
+                hist[np.int64((key >> shift) & np.uint64(0xFFFF))] += 1
+        else:
+            for i in range(n):
+                key = np.uint64(bits[i]) & absmask
+                if (key >> (shift + sixteen)) == prefix:
+                    hist[np.int64((key >> shift) & np.uint64(0xFFFF))] += 1
+        d = 65535
+        while d > 0 and hist[d] < remaining:
+            remaining -= hist[d]
+            d -= 1
+        prefix = (prefix << sixteen) | np.uint64(d)
+    return prefix
+
+
+def kth_largest_abs(x: np.ndarray, k: int) -> float:
+    """The exact k-th largest ``|x|`` (ties counted), without a sort.
+
+    ``k <= 0`` gives ``inf`` (selects nothing), ``k > x.size`` gives ``0.0``
+    (selects every nonzero entry). float16/bfloat16-like inputs are widened to
+    float32; float64 stays float64. NaNs are not expected (they rank above
+    ``inf``).
+    """
+    x = np.ascontiguousarray(x).reshape(-1)
+    k = int(k)
+    if k <= 0:
+        return math.inf
+    if k > x.size:
+        return 0.0
+    if x.dtype == np.float64:
+        key = _radix_kth_largest_key(x.view(np.uint64), k, 64, np.uint64(0x7FFFFFFFFFFFFFFF))
+        return float(np.array([key], dtype=np.uint64).view(np.float64)[0])
+    x32 = x if x.dtype == np.float32 else x.astype(np.float32)
+    key = _radix_kth_largest_key(x32.view(np.uint32), k, 32, np.uint64(0x7FFFFFFF))
+    return float(np.array([key], dtype=np.uint32).view(np.float32)[0])
+
+
+# ------------------------------------------------------ threshold selection
+@njit(cache=True)
+def _select_by_threshold(x, threshold):
+    n = x.size
+    idx = np.empty(n, np.int64)  # lazily committed: only the selected pages are touched
+    count = 0
+    for i in range(n):
+        v = x[i]
+        if abs(v) >= threshold and v != 0:
+            idx[count] = i
+            count += 1
+    out_idx = idx[:count].copy()
+    out_val = np.empty(count, x.dtype)
+    for j in range(count):
+        out_val[j] = x[out_idx[j]]
+    return out_idx, out_val
+
+
+def select_by_threshold(x: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    """COO of the entries with ``|x| >= threshold`` and ``x != 0``, in one pass.
+
+    Returns ``(indices, values)``: int64 indices in ascending order and the
+    values in ``x``'s dtype (float32 or float64; other floats are widened to
+    float32).
+    """
+    x = _as_float_vector(x)
+    return _select_by_threshold(x, x.dtype.type(threshold))
+
+
+@njit(cache=True)
+def _count_at_least(x, threshold):
+    count = 0
+    for i in range(x.size):
+        v = x[i]
+        if abs(v) >= threshold and v != 0:
+            count += 1
+    return count
+
+
+def count_at_least(x: np.ndarray, threshold: float) -> int:
+    """How many entries :func:`select_by_threshold` would select (no output arrays)."""
+    x = _as_float_vector(x)
+    return int(_count_at_least(x, x.dtype.type(threshold)))
+
+
+# -------------------------------------------------- Gaussian estimate (Gaussiank)
+@njit(cache=True)
+def _mean_std(x):
+    n = x.size
+    s = 0.0
+    for i in range(n):
+        s += x[i]
+    mean = s / n
+    ss = 0.0
+    for i in range(n):
+        d = x[i] - mean
+        ss += d * d
+    std = math.sqrt(ss / (n - 1)) if n > 1 else 0.0
+    return mean, std
+
+
+def gaussian_threshold(x: np.ndarray, density: float) -> float:
+    """Gaussiank's estimate of the k-th largest ``|x|`` for ``k = density * n``.
+
+    Fits N(mu, sigma^2) with the sample mean and (unbiased) standard deviation
+    of ``x`` and returns the right end of its central ``1 - density``
+    interval, ``|mu| + sigma * Phi^-1(1 - density / 2)`` (Shi et al. 2019, as
+    used in the Ok-Topk paper's Figure 4; ``|mu|`` instead of ``mu`` keeps the
+    threshold positive when the mean is negative, which changes nothing for
+    the near-zero means of gradients). Two passes over ``x``, no selection.
+    """
+    from scipy.special import ndtri
+
+    x = _as_float_vector(x)
+    if x.size == 0:
+        return math.inf
+    if not 0.0 < density <= 1.0:
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    mean, std = _mean_std(x)
+    z = float(ndtri(1.0 - density / 2.0))
+    return abs(float(mean)) + float(std) * z
+
+
+# ------------------------------------------------------------- COO reduction
+@njit(cache=True)
+def _coo_sum(indices, values):
+    m = indices.size
+    out_idx = np.empty(m, np.int64)
+    out_val = np.empty(m, np.float64)
+    if m == 0:
+        return out_idx, out_val
+    order = np.argsort(indices, kind="mergesort")  # stable: equal indices keep input order
+    u = -1
+    last = np.int64(-1)
+    for j in range(m):
+        p = order[j]
+        i = indices[p]
+        if u < 0 or i != last:
+            u += 1
+            out_idx[u] = i
+            out_val[u] = values[p]
+            last = i
+        else:
+            out_val[u] += values[p]
+    return out_idx[:u + 1].copy(), out_val[:u + 1].copy()
+
+
+def coo_sum(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sum a COO list by index: returns ``(unique sorted int64 indices, float64 sums)``.
+
+    Values of equal indices are added in their input order in float64, so the
+    result is deterministic and, for a handful of float32 addends, the
+    float32 rounding of the sum is the correctly rounded sum.
+    """
+    idx = np.ascontiguousarray(indices, dtype=np.int64).reshape(-1)
+    val = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
+    if idx.size != val.size:
+        raise ValueError(f"indices and values differ in length ({idx.size} != {val.size})")
+    return _coo_sum(idx, val)
+
+
+def topk_of_coo(indices: np.ndarray, values: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (at most) k entries of largest ``|value|`` of a COO list, zeros dropped, in input order.
+
+    Exactly ``min(k, nonzeros)`` entries (ties broken by introselect), so a
+    reduction tree that re-selects with it keeps k entries per level (gTopk).
+    """
+    nz = values != 0
+    indices, values = indices[nz], values[nz]
+    if k <= 0:
+        return indices[:0], values[:0]
+    if values.size > k:
+        keep = np.argpartition(np.abs(values), values.size - k)[values.size - k:]
+        keep.sort()
+        indices, values = indices[keep], values[keep]
+    return indices, values
+
+
+def _as_float_vector(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x).reshape(-1)
+    if x.dtype not in (np.float32, np.float64):
+        x = x.astype(np.float32)
+    return x
+
+
+__all__ = ["coo_sum", "count_at_least", "gaussian_threshold", "kth_largest_abs",
+           "select_by_threshold", "topk_of_coo"]
