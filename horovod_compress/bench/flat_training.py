@@ -20,17 +20,11 @@ import numpy as np
 def digits_split(seed: int = 0, test_fraction: float = 0.25
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Standardised digits features, split into train/test with a fixed seed."""
-    from sklearn.datasets import load_digits
+    from .digits import load_digits_split
 
-    data = load_digits()
-    x = (data.data / 16.0).astype(np.float32)
-    y = data.target.astype(np.int64)
-    order = np.random.default_rng(seed).permutation(len(y))
-    n_test = int(round(test_fraction * len(y)))
-    te, tr = order[:n_test], order[n_test:]
-    mean, std = x[tr].mean(0), x[tr].std(0) + 1e-3
-    x = (x - mean) / std
-    return x[tr], y[tr], x[te], y[te]
+    data = load_digits_split(seed, test_fraction)
+    mean, std = data.x_train.mean(0), data.x_train.std(0) + 1e-3
+    return ((data.x_train - mean) / std, data.y_train, (data.x_test - mean) / std, data.y_test)
 
 
 def build_mlp(hidden: tuple[int, ...], seed: int) -> Any:

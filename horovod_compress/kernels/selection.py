@@ -177,13 +177,13 @@ def gaussian_threshold(x: np.ndarray, density: float) -> float:
 
 # ------------------------------------------------------------- COO reduction
 @njit(cache=True)
-def _coo_sum(indices, values):
+def _coo_sum_sorted(indices, values, order):
+    """Sum runs of equal ``indices[order]`` (``order`` a stable argsort of ``indices``)."""
     m = indices.size
     out_idx = np.empty(m, np.int64)
     out_val = np.empty(m, np.float64)
     if m == 0:
         return out_idx, out_val
-    order = np.argsort(indices, kind="mergesort")  # stable: equal indices keep input order
     u = -1
     last = np.int64(-1)
     for j in range(m):
@@ -210,7 +210,10 @@ def coo_sum(indices: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.nda
     val = np.ascontiguousarray(values, dtype=np.float64).reshape(-1)
     if idx.size != val.size:
         raise ValueError(f"indices and values differ in length ({idx.size} != {val.size})")
-    return _coo_sum(idx, val)
+    # NumPy's stable sort (timsort/radix) exploits the P pre-sorted runs a
+    # reduction concatenates; Numba's mergesort does not (3.7x slower at 25M).
+    order = np.argsort(idx, kind="stable")
+    return _coo_sum_sorted(idx, val, order)
 
 
 def topk_of_coo(indices: np.ndarray, values: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
