@@ -25,7 +25,7 @@ class ResidualFeedback(Feedback):
 
     def reduce(self, method: Any, x: np.ndarray, name: str, comm: Any, state: dict) -> np.ndarray:
         e = state.get("fb_residual")
-        acc = x + e if e is not None and e.shape == x.shape else x.copy()
+        acc = np.array(x + e) if e is not None and e.shape == x.shape else np.array(x, copy=True)
         avg, local = method._reduce(acc, name, comm, state)
         np.subtract(acc, local, out=acc)
         state["fb_residual"] = acc

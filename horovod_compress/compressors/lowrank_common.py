@@ -1,0 +1,111 @@
+"""Helpers shared by the low-rank methods (``powersgd``, ``greedylore``, ``lazy_projection``).
+
+All three run per tensor (``layout = "matrix"``) and see each gradient in its
+own shape. A tensor of ``ndim >= 2`` is viewed as the matrix
+``(shape[0], prod(shape[1:]))`` -- a conv kernel ``(out, in, kh, kw)`` becomes
+``(out, in*kh*kw)``, as PowerSGD (Vogels et al. 2019) and
+``torch.distributed``'s ``powerSGD_hook`` do.
+
+Which tensors are compressed: PowerSGD's *min-compression-rate rule*,
+exactly as ``powerSGD_hook``'s ``_should_compress`` states it. With
+``r = min(rank, rows, cols)`` a matrix is compressed iff
+
+    (rows + cols) * r * min_compression_rate  <  rows * cols,
+
+otherwise it is averaged with one dense allreduce (it is too small to be worth
+the compute). 1-D tensors (biases, norms) and scalars are always sent dense.
+The same rule decides for all three low-rank methods, so they compress the
+same set of tensors and compare like for like; ``min_compression_rate=0``
+compresses every matrix, including those with ``rank >= min(rows, cols)``
+(which the methods then reproduce exactly).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .params import check_float, check_int
+
+
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """``(shape[0], prod(shape[1:]))`` for ``ndim >= 2``, ``None`` for vectors and scalars."""
+    if len(shape) < 2:
+        return None
+    return int(shape[0]), int(np.prod(shape[1:], dtype=np.int64))
+
+
+def effective_rank(rows: int, cols: int, rank: int) -> int:
+    """``min(rank, rows, cols)``: a rank larger than the matrix allows is clipped."""
+    return int(min(rank, rows, cols))
+
+
+def should_compress(rows: int, cols: int, rank: int, min_compression_rate: float) -> bool:
+    """PowerSGD's rule (``powerSGD_hook._should_compress``): is the saving worth it?"""
+    r = effective_rank(rows, cols, rank)
+    return (rows + cols) * r * min_compression_rate < rows * cols
+
+
+def compressed_matrix(x: np.ndarray, rank: int, min_compression_rate: float) -> np.ndarray | None:
+    """The 2-D view of ``x`` if the rule says compress it, else ``None`` (send dense)."""
+    ms = matrix_shape(x.shape)
+    if ms is None or ms[0] * ms[1] == 0 or not should_compress(*ms, rank, min_compression_rate):
+        return None
+    return x.reshape(ms)
+
+
+def dense_bytes(numel: int, world_size: int, itemsize: int) -> float:
+    """Bytes per rank of a ring allreduce of ``numel`` words: 2N(P-1)/P."""
+    return 2.0 * numel * itemsize * (world_size - 1) / world_size
+
+
+def orthogonalize(mat: np.ndarray, epsilon: float = 0.0) -> np.ndarray:
+    """Orthonormalize the columns of ``mat`` (rows >= cols) in place; returns ``mat``.
+
+    Mirrors ``powerSGD_hook._orthogonalize``: modified Gram-Schmidt for one or
+    two columns (each column divided by ``norm + epsilon``), Householder QR
+    (LAPACK, as ``torch.linalg.qr``) for more. One deviation: with
+    ``epsilon == 0`` an all-zero column stays zero instead of becoming NaN
+    (torch divides by zero there and documents that users should set an
+    epsilon); every other input gives torch's result up to rounding.
+    """
+    cols = mat.shape[1]
+    if cols <= 2:
+        for i in range(cols):
+            col = mat[:, i]
+            norm = float(np.linalg.norm(col))
+            denom = norm + epsilon
+            if denom > 0:
+                col /= mat.dtype.type(denom)
+            else:
+                col[...] = 0
+            if i + 1 < cols:
+                rest = mat[:, i + 1:]
+                rest -= np.outer(col, col @ rest)
+        return mat
+    q, _ = np.linalg.qr(mat, mode="reduced")
+    mat[...] = q
+    return mat
+
+
+def check_rank(method: str, rank: Any) -> int:
+    return check_int(method, "rank", rank, 1)
+
+
+def check_min_rate(method: str, value: Any) -> float:
+    return check_float(method, "min_compression_rate", value, 0.0)
+
+
+def check_bool(method: str, name: str, value: Any) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{method}: {name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def top_indices(scores: np.ndarray, r: int) -> np.ndarray:
+    """Indices of the ``r`` largest scores, sorted ascending; ties go to the lower index.
+
+    Deterministic, so ranks holding bitwise-equal scores pick the same set.
+    """
+    order = np.argsort(-scores, kind="stable")[:r]
+    return np.sort(order)
