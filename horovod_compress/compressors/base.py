@@ -87,6 +87,8 @@ class Method:
             self.feedback.on_dense_step(x, out, st)
         else:
             out = self.feedback.reduce(self, x, name, comm, st)
+        if out.shape != grad.shape:
+            out = out.reshape(grad.shape)
         return out.astype(in_dtype, copy=False) if out.dtype != in_dtype else out
 
     def expected_bytes(self, shape: tuple[int, ...], world_size: int,
