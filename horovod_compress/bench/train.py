@@ -81,9 +81,22 @@ def run(args: argparse.Namespace) -> int:
     if args.np > 1 and not under_mpi_launcher():
         import sys
         return relaunch(args.np, "horovod_compress.cli", sys.argv[1:])
-    from ..compressors.registry import create
     from ..mpi_collectives import Communicator
     comm = Communicator()
+    try:
+        return _train_all(args, methods, params, comm)
+    except BaseException as exc:  # one rank failing must not leave the others hanging
+        if comm.size > 1:
+            import sys
+            import traceback
+            traceback.print_exc()
+            print(f"[rank {comm.rank}] {type(exc).__name__}: aborting all ranks", file=sys.stderr, flush=True)
+            comm.comm.Abort(1)
+        raise
+
+
+def _train_all(args: argparse.Namespace, methods: list[str], params: dict[str, Any], comm: Any) -> int:
+    from ..compressors.registry import create
     results = []
     for name in methods:
         kwargs = dict(DEMO_PARAMS.get(name, {}))

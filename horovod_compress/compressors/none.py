@@ -32,6 +32,13 @@ class NoCompression(Method):
         n = int(np.prod(shape))
         return 2.0 * n * itemsize * (world_size - 1) / world_size
 
+    # Horovod's Compressor protocol: nothing to do.
+    def compress(self, tensor: Any) -> tuple[Any, Any]:
+        return tensor, None
+
+    def decompress(self, tensor: Any, ctx: Any) -> Any:
+        return tensor
+
     @staticmethod
     def _work_dtype(dtype: np.dtype) -> np.dtype:
         return np.dtype(dtype) if np.issubdtype(dtype, np.floating) and dtype.itemsize >= 4 \

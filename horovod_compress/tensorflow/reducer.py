@@ -59,24 +59,7 @@ from . import world
 from .bridge import numpy_call
 from .tensors import (check_float_dtype, numpy_dtype_name, to_wire, unique_names, wire_dtype)
 
-Average = "average"
-Sum = "sum"
-
-
-_HOROVOD_OPS = {0: "average", 1: "sum"}  # horovod.tensorflow.Average / Sum are these ints
-
-
-def op_name(op: Any) -> str:
-    """``Average``/``Sum`` from our constants, Horovod's (``hvd.Average == 0``,
-    ``hvd.Sum == 1``), or their names."""
-    if isinstance(op, (int, np.integer)) and not isinstance(op, bool) and int(op) in _HOROVOD_OPS:
-        return _HOROVOD_OPS[int(op)]
-    text = str(getattr(op, "name", op)).lower()
-    if text in ("average", "avg") or text.endswith("average"):
-        return Average
-    if text == "sum" or text.endswith("sum"):
-        return Sum
-    raise ValueError(f"op must be Average or Sum, got {op!r}")
+from ..runtime.ops import Average, Sum, op_name  # noqa: E402  (re-exported)
 
 
 @dataclass

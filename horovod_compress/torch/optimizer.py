@@ -22,20 +22,9 @@ import torch
 from ..compressors.base import Method
 from ..runtime.buckets import DEFAULT_BUCKET_BYTES, TensorSpec
 from ..runtime.engine import GradientExchange
+from ..runtime.ops import Average, Sum, op_name
 from . import world
 from .tensors import copy_into, numpy_dtype_name, to_numpy
-
-Average = "average"
-Sum = "sum"
-
-
-def _op_name(op: Any) -> str:
-    text = str(op).lower()
-    if text in ("average", "avg") or text.endswith("average"):
-        return Average
-    if text == "sum" or text.endswith("sum"):
-        return Sum
-    raise ValueError(f"op must be Average or Sum, got {op!r}")
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -53,7 +42,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
         self._hvdc_method = compression
         self._hvdc_comm = comm if comm is not None else world.communicator()
-        self._hvdc_op = _op_name(op)
+        self._hvdc_op = op_name(op)
         self._hvdc_predivide = float(gradient_predivide_factor)
         self.backward_passes_per_step = int(backward_passes_per_step)
 
