@@ -53,7 +53,9 @@ class _Stats:
 
 
 def _contiguous(array: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(array)
+    """C-contiguous view or copy that keeps the shape (0-d arrays stay 0-d)."""
+    arr = np.asarray(array)
+    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr).reshape(arr.shape)
 
 
 class Request:
