@@ -151,11 +151,15 @@ def plot_accuracy_vs_bytes(results: list[dict[str, Any]], path: Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in results:
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.cm.tab20.colors
+    styles = ["-", "--", ":", "-."]
+    for i, r in enumerate(results):
         xs = [h["bytes_sent"] / 2**20 for h in r["history"]]
         ys = [100 * h["test_accuracy"] for h in r["history"]]
-        ax.plot(xs, ys, marker=".", label=r["method"])
+        ax.plot(xs, ys, marker=".", markersize=3, color=colors[i % len(colors)],
+                linestyle=styles[(i // len(colors)) % len(styles)] if len(results) <= len(colors)
+                else styles[i % len(styles)], label=r["method"])
     ax.set_xscale("log")
     ax.set_xlabel("MiB sent per rank (cumulative)")
     ax.set_ylabel("test accuracy (%)")
