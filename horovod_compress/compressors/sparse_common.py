@@ -6,8 +6,11 @@ pairs" of the papers' volume tables (2 words per selected entry).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
+from .base import Method
 from .params import check_float
 
 
@@ -52,3 +55,23 @@ def scatter_sum(n: int, indices: np.ndarray, values: np.ndarray, dtype: np.dtype
     if indices.size == 0:
         return np.zeros(n, dtype=dtype)
     return np.bincount(indices, weights=values, minlength=n).astype(dtype, copy=False)
+
+
+class DensitySparsifier(Method):
+    """Base of the sparsifiers parameterised by ``density`` alone (TopkA, TopkDSA, gTopk).
+
+    Biased, so the default feedback is ``residual`` (EF14); k = density * n
+    per tensor or bucket (:func:`k_from_density`).
+    """
+
+    biased = True
+    default_feedback = "residual"
+
+    def __init__(self, *, density: float = 0.01, feedback: str | None = None,
+                 warmup_steps: int = 0, seed: int = 0, **feedback_params: Any) -> None:
+        self.density = check_density(self.name, density)
+        super().__init__(feedback=feedback, warmup_steps=warmup_steps, seed=seed,
+                         **feedback_params)
+
+    def params(self) -> dict[str, Any]:
+        return {"density": self.density, **self.feedback.params()}

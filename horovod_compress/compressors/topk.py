@@ -16,28 +16,23 @@ from typing import Any
 
 import numpy as np
 
-from .base import Method, TensorState
+from .base import TensorState
 from .registry import register
-from .sparse_common import (check_density, k_from_density, pack_coo, scatter_sum,
-                            topk_indices, unpack_coo)
+from .sparse_common import (
+    DensitySparsifier,
+    k_from_density,
+    pack_coo,
+    scatter_sum,
+    topk_indices,
+    unpack_coo,
+)
 
 
 @register
-class TopkA(Method):
+class TopkA(DensitySparsifier):
     """Local top-k + allgather (TopkA)."""
 
     name = "topk"
-    biased = True
-    default_feedback = "residual"
-
-    def __init__(self, *, density: float = 0.01, feedback: str | None = None,
-                 warmup_steps: int = 0, seed: int = 0, **feedback_params: Any) -> None:
-        self.density = check_density(self.name, density)
-        super().__init__(feedback=feedback, warmup_steps=warmup_steps, seed=seed,
-                         **feedback_params)
-
-    def params(self) -> dict[str, Any]:
-        return {"density": self.density, **self.feedback.params()}
 
     def select(self, x: np.ndarray) -> np.ndarray:
         """Indices this rank sends (its local top-k of |x|)."""

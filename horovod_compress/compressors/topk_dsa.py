@@ -20,27 +20,16 @@ from typing import Any
 
 import numpy as np
 
-from .base import Method, TensorState
+from .base import TensorState
 from .registry import register
-from .sparse_common import check_density, k_from_density, topk_indices
+from .sparse_common import DensitySparsifier, k_from_density, topk_indices
 
 
 @register
-class TopkDSA(Method):
+class TopkDSA(DensitySparsifier):
     """Local top-k + SparCML dynamic sparse allreduce (TopkDSA)."""
 
     name = "topk_dsa"
-    biased = True
-    default_feedback = "residual"
-
-    def __init__(self, *, density: float = 0.01, feedback: str | None = None,
-                 warmup_steps: int = 0, seed: int = 0, **feedback_params: Any) -> None:
-        self.density = check_density(self.name, density)
-        super().__init__(feedback=feedback, warmup_steps=warmup_steps, seed=seed,
-                         **feedback_params)
-
-    def params(self) -> dict[str, Any]:
-        return {"density": self.density, **self.feedback.params()}
 
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
                 state: TensorState) -> tuple[np.ndarray, np.ndarray]:
