@@ -64,8 +64,14 @@ from typing import Any
 import numpy as np
 
 from .base import Method, TensorState
-from .lowrank_common import (check_min_rate, check_rank, compressed_matrix, dense_bytes,
-                             effective_rank, matrix_shape, should_compress, top_indices)
+from .lowrank_common import (
+    PeriodicSubspaceSchedule,
+    check_min_rate,
+    check_rank,
+    compressed_matrix,
+    effective_rank,
+    top_indices,
+)
 from .params import check_choice, check_int
 from .registry import register
 
@@ -89,7 +95,7 @@ def probe_values(b: np.ndarray, xi: np.ndarray) -> np.ndarray:
 
 
 @register
-class GreedyLore(Method):
+class GreedyLore(PeriodicSubspaceSchedule, Method):
     """GreedyLore: semi-lazy SVD, approximate global top-r projection, error feedback."""
 
     name = "greedylore"
@@ -112,12 +118,6 @@ class GreedyLore(Method):
         return {"rank": self.rank, "period": self.period, "probes": self.probes,
                 "feedback": "residual" if self.error_feedback else "none",
                 "min_compression_rate": self.min_compression_rate}
-
-    # ----------------------------------------------------------- schedule
-    def is_svd_step(self, step: int) -> bool:
-        """Whether training step ``step`` (1-based, warm-up included) refreshes ``U``."""
-        c = step - self.warmup_steps
-        return c >= 1 and (c - 1) % self.period == 0
 
     # ------------------------------------------------------------- pieces
     def probes_for(self, name: str, step: int, m: int, n: int, dtype: np.dtype) -> np.ndarray:
@@ -175,24 +175,6 @@ class GreedyLore(Method):
                 np.ascontiguousarray(local_m).reshape(x.shape))
 
     # -------------------------------------------------------------- volume
-    def step_bytes(self, shape: tuple[int, ...], world_size: int, step: int,
-                   itemsize: int = 4) -> float:
-        """Exact bytes per rank at training step ``step`` (1-based, warm-up included)."""
-        numel = int(np.prod(shape)) if len(shape) else 1
-        ms = matrix_shape(tuple(shape))
-        if step <= self.warmup_steps or ms is None or numel == 0 or \
-                not should_compress(*ms, self.rank, self.min_compression_rate):
-            return dense_bytes(numel, world_size, itemsize)
-        m, n = min(ms), max(ms)
-        if self.is_svd_step(step):
-            return dense_bytes(m * n, world_size, itemsize)
-        r = effective_rank(m, n, self.rank)
-        return dense_bytes(m * self.probes + r * n, world_size, itemsize)
-
-    def expected_bytes(self, shape: tuple[int, ...], world_size: int,
-                       itemsize: int = 4) -> float:
-        """Bytes per rank per step, averaged over a period: ((tau-1)(m + r n) + m n)/tau words."""
-        start = self.warmup_steps + 1
-        total = sum(self.step_bytes(shape, world_size, s, itemsize)
-                    for s in range(start, start + self.period))
-        return total / self.period
+    def projection_words(self, m: int, n: int, r: int) -> int:
+        """m probe scores plus the r x n projection (ALGORITHMS.md: m + r n words)."""
+        return m * self.probes + r * n

@@ -28,14 +28,19 @@ import numpy as np
 
 from .base import Method, TensorState
 from .greedylore import left_singular_vectors, working_matrix
-from .lowrank_common import (check_min_rate, check_rank, compressed_matrix, dense_bytes,
-                             effective_rank, matrix_shape, should_compress)
+from .lowrank_common import (
+    PeriodicSubspaceSchedule,
+    check_min_rate,
+    check_rank,
+    compressed_matrix,
+    effective_rank,
+)
 from .params import check_int
 from .registry import register
 
 
 @register
-class LazyProjection(Method):
+class LazyProjection(PeriodicSubspaceSchedule, Method):
     """GaLore-style lazy SVD projection (no error feedback): the GreedyLore paper's baseline."""
 
     name = "lazy_projection"
@@ -53,11 +58,6 @@ class LazyProjection(Method):
     def params(self) -> dict[str, Any]:
         return {"rank": self.rank, "period": self.period,
                 "min_compression_rate": self.min_compression_rate}
-
-    def is_svd_step(self, step: int) -> bool:
-        """Whether training step ``step`` (1-based, warm-up included) refreshes ``Q``."""
-        c = step - self.warmup_steps
-        return c >= 1 and (c - 1) % self.period == 0
 
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
                 state: TensorState) -> tuple[np.ndarray, np.ndarray]:
@@ -84,22 +84,6 @@ class LazyProjection(Method):
         return (np.ascontiguousarray(avg_m).reshape(x.shape),
                 np.ascontiguousarray(local_m).reshape(x.shape))
 
-    def step_bytes(self, shape: tuple[int, ...], world_size: int, step: int,
-                   itemsize: int = 4) -> float:
-        """Exact bytes per rank at training step ``step`` (1-based, warm-up included)."""
-        numel = int(np.prod(shape)) if len(shape) else 1
-        ms = matrix_shape(tuple(shape))
-        if step <= self.warmup_steps or ms is None or numel == 0 or \
-                not should_compress(*ms, self.rank, self.min_compression_rate):
-            return dense_bytes(numel, world_size, itemsize)
-        m, n = min(ms), max(ms)
-        if self.is_svd_step(step):
-            return dense_bytes(m * n, world_size, itemsize)
-        return dense_bytes(effective_rank(m, n, self.rank) * n, world_size, itemsize)
-
-    def expected_bytes(self, shape: tuple[int, ...], world_size: int,
-                       itemsize: int = 4) -> float:
-        """Bytes per rank per step averaged over one period: ``((tau-1) r n + m n) / tau`` words."""
-        start = self.warmup_steps + 1
-        return sum(self.step_bytes(shape, world_size, s, itemsize)
-                   for s in range(start, start + self.period)) / self.period
+    def projection_words(self, m: int, n: int, r: int) -> int:
+        """The r x n projection on the fixed subspace."""
+        return r * n

@@ -109,3 +109,48 @@ def top_indices(scores: np.ndarray, r: int) -> np.ndarray:
     """
     order = np.argsort(-scores, kind="stable")[:r]
     return np.sort(order)
+
+
+class PeriodicSubspaceSchedule:
+    """Schedule and volume shared by GreedyLore and the lazy projection (mixin).
+
+    Every ``period`` compressed steps (counted after the ``warmup_steps``)
+    the subspace is refreshed from a dense allreduce (m n words); in between
+    a step costs :meth:`projection_words`. The host class provides
+    ``warmup_steps``, ``period``, ``rank`` and ``min_compression_rate``.
+    """
+
+    warmup_steps: int
+    period: int
+    rank: int
+    min_compression_rate: float
+
+    def projection_words(self, m: int, n: int, r: int) -> int:
+        """Words one rank allreduces on a step between refreshes (m <= n, r the rank used)."""
+        raise NotImplementedError(f"{type(self).__name__} must define projection_words")
+
+    def is_svd_step(self, step: int) -> bool:
+        """Whether training step ``step`` (1-based, warm-up included) refreshes the subspace."""
+        c = step - self.warmup_steps
+        return c >= 1 and (c - 1) % self.period == 0
+
+    def step_bytes(self, shape: tuple[int, ...], world_size: int, step: int,
+                   itemsize: int = 4) -> float:
+        """Exact bytes per rank at training step ``step`` (1-based, warm-up included)."""
+        numel = int(np.prod(shape)) if len(shape) else 1
+        ms = matrix_shape(tuple(shape))
+        if step <= self.warmup_steps or ms is None or numel == 0 or \
+                not should_compress(*ms, self.rank, self.min_compression_rate):
+            return dense_bytes(numel, world_size, itemsize)
+        m, n = min(ms), max(ms)
+        if self.is_svd_step(step):
+            return dense_bytes(m * n, world_size, itemsize)
+        return dense_bytes(self.projection_words(m, n, effective_rank(m, n, self.rank)),
+                           world_size, itemsize)
+
+    def expected_bytes(self, shape: tuple[int, ...], world_size: int,
+                       itemsize: int = 4) -> float:
+        """Bytes per rank per step averaged over one period (one refresh + period-1 projections)."""
+        start = self.warmup_steps + 1
+        return sum(self.step_bytes(shape, world_size, s, itemsize)
+                   for s in range(start, start + self.period)) / self.period
