@@ -1,10 +1,11 @@
 """Re-launch a command under ``mpirun`` when it was started as a single process."""
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
-from typing import Sequence
+from collections.abc import Callable, Sequence
 
 _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_SIZE",
             "SLURM_STEP_NUM_TASKS", "HVDC_LAUNCHED")
@@ -22,3 +23,23 @@ def relaunch(nprocs: int, module: str, argv: Sequence[str]) -> int:
     env = mpi_env({"HVDC_LAUNCHED": "1"})
     print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
     return subprocess.call(cmd, env=env)
+
+
+def worker_entry(description: str | None, add_arguments: Callable[[argparse.ArgumentParser], None],
+                 worker: Callable[[argparse.Namespace], None],
+                 run: Callable[[argparse.Namespace], int], argv: list[str] | None = None) -> None:
+    """``python -m`` entry of a benchmark that re-launches itself under mpirun.
+
+    Parses the benchmark's own arguments plus the hidden ``--worker``/``--json``
+    pair: with ``--worker`` this process is one MPI rank and runs ``worker``;
+    otherwise it is the launcher and runs ``run`` (which starts the ranks).
+    """
+    parser = argparse.ArgumentParser(description=description)
+    add_arguments(parser)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+    else:
+        sys.exit(run(args))

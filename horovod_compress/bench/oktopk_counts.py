@@ -100,7 +100,7 @@ def summarize(data: dict[str, Any], density: float, tau: int) -> dict[str, Any]:
 def report(summary: dict[str, Any], args: argparse.Namespace) -> str:
     s = summary
     lines = [
-        f"# Ok-Topk selected counts vs k over training (paper Figure 6)",
+        "# Ok-Topk selected counts vs k over training (paper Figure 6)",
         "",
         f"`hvdc bench oktopk-counts --ranks {args.ranks} --steps {args.steps} --density {args.density}`: "
         f"digits MLP (n = {s['n']}), P = {s['P']}, density {args.density} (k = {s['k']}), "
@@ -195,15 +195,8 @@ def register_bench(subparsers: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    add_arguments(parser)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--json", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker(args)
-    else:
-        sys.exit(run(args))
+    from .launch import worker_entry
+    worker_entry(__doc__, add_arguments, worker, run, argv)
 
 
 if __name__ == "__main__":

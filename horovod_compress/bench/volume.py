@@ -219,15 +219,8 @@ def register_bench(subparsers: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    add_arguments(parser)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--json", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker(args)
-    else:
-        sys.exit(run(args))
+    from .launch import worker_entry
+    worker_entry(__doc__, add_arguments, worker, run, argv)
 
 
 if __name__ == "__main__":
