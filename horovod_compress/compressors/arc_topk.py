@@ -49,7 +49,9 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels.rows import gather_rows, matrix_shape, row_sq_norms, scatter_rows, top_rows
+from ..kernels import dispatch
+from ..kernels.arrays import as_module_array, get_array_module, to_host
+from ..kernels.rows import matrix_shape, top_rows
 from .base import Method, TensorState
 from .params import check_int
 from .registry import register
@@ -84,6 +86,7 @@ class ArcTopK(Method):
     layout = "matrix"
     biased = True
     default_feedback = "ef21m"
+    gpu_native = True
 
     def __init__(self, *, ratio: float = 0.2, rank: int = 4, dense_fallback: bool = True,
                  feedback: str | None = None, warmup_steps: int = 0, seed: int = 0,
@@ -128,8 +131,12 @@ class ArcTopK(Method):
 
     @staticmethod
     def select_rows(sketch_avg: np.ndarray, k: int) -> np.ndarray:
-        """I = argtop_K(diag(P P^T)) (eq. 4), ascending, ties to the lower index."""
-        return top_rows(row_sq_norms(sketch_avg), k)
+        """I = argtop_K(diag(P P^T)) (eq. 4), ascending, ties to the lower index (a host array).
+
+        The m row norms are computed where the sketch lives; the choice of K
+        of them is made on the host (m values, not m x n).
+        """
+        return top_rows(to_host(dispatch.call("row_sq_norms", sketch_avg)), k)
 
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
                 state: TensorState) -> tuple[np.ndarray, np.ndarray]:
@@ -138,17 +145,19 @@ class ArcTopK(Method):
             state.pop("rows", None)
             with comm.phase("arc_dense"):
                 return comm.allreduce(x, op="avg"), x
-        g = np.ascontiguousarray(x).reshape(plan.m, plan.n)
-        v = self.sketch_matrix(name, state.t, plan.n, plan.r, g.dtype)
+        xp = get_array_module(x)
+        g = xp.ascontiguousarray(x).reshape(plan.m, plan.n)
+        v = as_module_array(self.sketch_matrix(name, state.t, plan.n, plan.r, g.dtype), xp)
         with comm.phase("arc_sketch"):
             sketch = comm.allreduce(g @ v, op="avg")          # m x r words
         rows = self.select_rows(sketch, plan.k)
-        own = gather_rows(g, rows)
+        rows_x = as_module_array(rows, xp)                    # on the gradient's device
+        own = dispatch.call("gather_rows", g, rows_x)
         with comm.phase("arc_rows"):
             avg_rows = comm.allreduce(own, op="avg")          # K x n words, no indices
         state["rows"] = rows.astype(np.int32)                 # diagnostics (same on every rank)
-        avg = scatter_rows(avg_rows, rows, plan.m).reshape(x.shape)
-        local = scatter_rows(own, rows, plan.m).reshape(x.shape)
+        avg = dispatch.call("scatter_rows", avg_rows, rows_x, plan.m).reshape(x.shape)
+        local = dispatch.call("scatter_rows", own, rows_x, plan.m).reshape(x.shape)
         return avg, local
 
     def expected_bytes(self, shape: tuple[int, ...], world_size: int,

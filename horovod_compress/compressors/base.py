@@ -27,7 +27,21 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..feedback import Feedback, make_feedback
+from ..kernels.arrays import as_module_array, get_array_module, is_cupy, is_gpu_array, to_device_like, to_host
 from .params import check_int
+
+
+def _move_state(state: dict, xp: Any) -> None:
+    """Put the float arrays of a tensor's state on ``xp``'s device (after a restore, or a device change).
+
+    Only floating-point arrays (residuals, trackers) follow the gradient;
+    integer arrays (selected rows, diagnostics) stay where they are.
+    """
+    for key, value in state.items():
+        on_gpu = is_gpu_array(value)
+        if (on_gpu or isinstance(value, np.ndarray)) and np.dtype(value.dtype).kind == "f" \
+                and on_gpu != (xp is not np):
+            state[key] = as_module_array(value, xp)
 
 
 class TensorState(dict):
@@ -49,7 +63,12 @@ class Method:
     * ``biased`` -- whether error feedback applies by default;
     * ``default_feedback`` -- the feedback used when the caller gives none;
     * ``horovod_compatible`` -- stateless and expressible as compress, dense
-      allreduce, decompress, so it also plugs into ``hvd.DistributedOptimizer``.
+      allreduce, decompress, so it also plugs into ``hvd.DistributedOptimizer``;
+    * ``gpu_native`` -- ``_reduce`` is written against the array module of
+      its input (``xp = get_array_module(x)``) and the kernel dispatcher, so a
+      CuPy gradient is compressed on the GPU end to end. Other methods accept
+      GPU arrays too: :meth:`allreduce` copies them to the host, runs there,
+      and copies the result back (counted in ``device_calls["staged"]``).
     """
 
     name: ClassVar[str] = "base"
@@ -57,6 +76,7 @@ class Method:
     biased: ClassVar[bool] = False
     default_feedback: ClassVar[str] = "none"
     horovod_compatible: ClassVar[bool] = False
+    gpu_native: ClassVar[bool] = False
 
     def __init__(self, *, feedback: str | None = None, warmup_steps: int = 0,
                  seed: int = 0, **feedback_params: Any) -> None:
@@ -66,6 +86,7 @@ class Method:
             self.name, feedback if feedback is not None else self.default_feedback,
             **feedback_params)
         self.state: dict[str, TensorState] = {}
+        self.device_calls: dict[str, int] = {"native": 0, "staged": 0}
 
     # --------------------------------------------------------------- public
     def allreduce(self, grad: np.ndarray, name: str, comm: Any) -> np.ndarray:
@@ -77,10 +98,17 @@ class Method:
         be the same on every rank. ``comm`` is a
         :class:`~horovod_compress.mpi_collectives.Communicator`.
         """
-        grad = np.asarray(grad)
-        in_dtype = grad.dtype
+        if is_gpu_array(grad):
+            if not (self.gpu_native and is_cupy(grad)):
+                self.device_calls["staged"] += 1
+                return to_device_like(self.allreduce(to_host(grad), name, comm), grad)
+            self.device_calls["native"] += 1
+        else:
+            grad = np.asarray(grad)
+        in_dtype = np.dtype(grad.dtype)
         x = grad.astype(self._work_dtype(in_dtype), copy=False)
         st = self.state.setdefault(name, TensorState())
+        _move_state(st, get_array_module(x))
         st["t"] = st.t + 1
         if st.t <= self.warmup_steps:
             out = comm.allreduce(x, op="avg")
@@ -137,7 +165,8 @@ class Method:
         """Everything needed to resume: config plus per-tensor state (NumPy copies)."""
         return {
             "config": self.config(),
-            "state": {n: {k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else v)
+            "state": {n: {k: (np.array(to_host(v), copy=True)
+                              if isinstance(v, np.ndarray) or is_gpu_array(v) else v)
                           for k, v in st.items()} for n, st in self.state.items()},
         }
 

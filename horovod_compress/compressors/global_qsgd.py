@@ -69,9 +69,10 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels.quantize import (abs_max, exp_code_layout, exp_dequantize, exp_quantize,
-                                linear_dequantize, linear_quantize, pack_nibbles, sum_squares,
-                                unpack_nibbles)
+from ..kernels import dispatch
+from ..kernels.arrays import as_module_array, get_array_module, to_host
+from ..kernels.quantize import (abs_max, exp_code_layout, exp_dequantize, linear_dequantize,
+                                linear_quantize, pack_nibbles, sum_squares, unpack_nibbles)
 from .base import Method, TensorState
 from .params import check_choice, check_int
 from .registry import register
@@ -126,6 +127,7 @@ class GlobalQSGD(Method):
     biased = False
     default_feedback = "none"
     horovod_compatible = False  # per instance: True only for the linear 8-bit dense variant
+    gpu_native = True
 
     def __init__(self, *, dithering: str = "exponential", bits: int = 8, norm: str = "inf",
                  sparse: bool | str = False, headroom: int | None = None,
@@ -187,8 +189,13 @@ class GlobalQSGD(Method):
         """||x_i||_q (q = inf or 2) in float64; +inf when x_i has a NaN or Inf."""
         if flat.size == 0:
             return 0.0
-        x = np.ascontiguousarray(flat)
-        v = abs_max(x) if self.norm == "inf" else math.sqrt(sum_squares(x))
+        xp = get_array_module(flat)
+        if xp is np:
+            x = np.ascontiguousarray(flat)
+            v = abs_max(x) if self.norm == "inf" else math.sqrt(sum_squares(x))
+        else:  # on the GPU: one reduction, then a scalar to the host
+            x64 = flat.astype(np.float64)
+            v = float(xp.abs(x64).max()) if self.norm == "inf" else math.sqrt(float(xp.dot(x64, x64)))
         return v if math.isfinite(v) else math.inf
 
     def stream_key(self, name: str, step: int, rank: int, purpose: str) -> np.uint64:
@@ -199,19 +206,20 @@ class GlobalQSGD(Method):
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
                 state: TensorState) -> tuple[np.ndarray, np.ndarray]:
         flat = x.reshape(-1)
+        xp = get_array_module(flat)
         p = comm.size
         if self.sparse is not True:
             self.plan(p)  # impossible dense configuration: ValueError before any message
         auto = self.sparse == "auto"
         msg = [self.local_norm(flat)]
         if auto:
-            msg.append(float(np.count_nonzero(flat)))
+            msg.append(float(xp.count_nonzero(flat)))
         with comm.phase("global_qsgd.norm"):
             glob = comm.allreduce(np.array(msg, dtype=np.float64), op="max")
         norm = float(glob[0])
         if norm == 0.0:
             state["zero_norm_steps"] = int(state.get("zero_norm_steps", 0)) + 1
-            zeros = np.zeros_like(x)
+            zeros = xp.zeros_like(x)
             return zeros, zeros.copy()
         sparse = self.sparse is True or (auto and self._sparse_is_smaller(int(glob[1]), flat.size, p))
         plan = self.plan(p, sparse)
@@ -223,20 +231,26 @@ class GlobalQSGD(Method):
         if not (math.isfinite(norm) and math.isfinite(q_scale) and math.isfinite(d_scale)):
             return self._dense_fallback(flat, comm, state, x.shape)
         key = self.stream_key(name, state.t, comm.rank, "quantize")
+        # Quantization and dequantization run where x lives (kernels dispatched on the array type).
         if self.dithering == "linear":
-            q = linear_quantize(flat, q_scale, plan["levels"], key)
-            local = linear_dequantize(q, d_scale, flat.dtype)
-            total = self._sparse_sum(q, comm) if sparse else self._linear_allreduce(q, comm)
-            avg = linear_dequantize(total, d_scale / p, flat.dtype)
-        else:
-            codes = exp_quantize(flat, q_scale, self.bits, key)
-            local = exp_dequantize(codes, d_scale, self.bits, flat.dtype)
+            q = dispatch.call("linear_quantize", flat, q_scale, plan["levels"], key)
+            local = dispatch.call("linear_dequantize", q, d_scale, flat.dtype)
             if sparse:
-                avg = (self._sparse_sum(codes, comm) * (d_scale / p)).astype(flat.dtype)
+                avg = (as_module_array(self._sparse_sum(to_host(q), comm), xp)
+                       * (d_scale / p)).astype(flat.dtype)
+            else:
+                total = self._linear_allreduce(q, comm)
+                avg = dispatch.call("linear_dequantize", total, d_scale / p, flat.dtype)
+        else:
+            codes = dispatch.call("exp_quantize", flat, q_scale, self.bits, key)
+            local = dispatch.call("exp_dequantize", codes, d_scale, self.bits, flat.dtype)
+            if sparse:
+                avg = (as_module_array(self._sparse_sum(to_host(codes), comm), xp)
+                       * (d_scale / p)).astype(flat.dtype)
             else:
                 rkey = self.stream_key(name, state.t, comm.rank, "reduce")
                 total_codes = self._exp_allreduce(codes, comm, rkey, state)
-                avg = exp_dequantize(total_codes, d_scale / p, self.bits, flat.dtype)
+                avg = dispatch.call("exp_dequantize", total_codes, d_scale / p, self.bits, flat.dtype)
         return avg.reshape(x.shape), local.reshape(x.shape)
 
     def _sparse_is_smaller(self, max_nnz: int, n: int, p: int) -> bool:
@@ -255,25 +269,38 @@ class GlobalQSGD(Method):
         return avg.reshape(shape), flat.copy().reshape(shape)
 
     def _linear_allreduce(self, q: np.ndarray, comm: Any) -> np.ndarray:
-        """Sum of int8 levels over ranks (exact: the level count rules out overflow)."""
+        """Sum of int8 levels over ranks (exact: the level count rules out overflow).
+
+        8-bit levels of a GPU array go to MPI as they are (CUDA-aware) or
+        staged; 4-bit ones are packed on the device and their nibble-wise sum,
+        a Python MPI operator, runs on a host copy of the packed bytes.
+        """
         with comm.phase("global_qsgd.payload"):
             if self.bits == 8:
                 return comm.allreduce(q, op="sum")
             from ..mpi_collectives.reduce_ops import nibble_sum_op
-            total = comm.allreduce(pack_nibbles(q), op=nibble_sum_op())
-        return unpack_nibbles(total, q.size, signed=True)
+            packed = dispatch.call("pack_nibbles", q)
+            total = as_module_array(comm.allreduce(to_host(packed), op=nibble_sum_op()),
+                                    get_array_module(q))
+        return dispatch.call("unpack_nibbles", total, q.size, True)
 
     def _exp_allreduce(self, codes: np.ndarray, comm: Any, rkey: np.uint64,
                        state: TensorState) -> np.ndarray:
-        """Exponential codes reduced by Algorithm 2 inside a reduce-scatter + allgatherv."""
+        """Exponential codes reduced by Algorithm 2 inside a reduce-scatter + allgatherv.
+
+        The operator MPI calls is a Python callback on host memory, so GPU
+        codes (1 byte or half a byte per element, a quarter or an eighth of
+        the gradient) are copied to the host for the reduction and back.
+        """
         from ..mpi_collectives.reduce_ops import allreduce_reduce_once, exp_sum_op, reduce_stream
-        payload = codes if self.bits == 8 else pack_nibbles(codes)
+        payload = codes if self.bits == 8 else dispatch.call("pack_nibbles", codes)
         with reduce_stream(int(rkey)) as stream, comm.phase("global_qsgd.payload"):
-            total = allreduce_reduce_once(comm, payload, exp_sum_op(self.bits))
+            total = allreduce_reduce_once(comm, to_host(payload), exp_sum_op(self.bits))
             saturated = stream.saturated
         if saturated:
             state["saturated"] = int(state.get("saturated", 0)) + saturated
-        return total if self.bits == 8 else unpack_nibbles(total, codes.size)
+        total = as_module_array(total, get_array_module(codes))
+        return total if self.bits == 8 else dispatch.call("unpack_nibbles", total, codes.size)
 
     def _sparse_sum(self, codes: np.ndarray, comm: Any) -> np.ndarray:
         """Allgather (index, code) of the nonzeros; every rank sums all of them in float64.

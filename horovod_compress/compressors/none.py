@@ -20,6 +20,7 @@ class NoCompression(Method):
 
     name = "none"
     horovod_compatible = True
+    gpu_native = True  # the Communicator reduces GPU arrays (CUDA-aware or staged)
 
     def __init__(self, *, seed: int = 0) -> None:
         super().__init__(seed=seed)

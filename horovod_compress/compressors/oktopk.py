@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from ..kernels.arrays import as_module_array, get_array_module
+
 from .base import Method, TensorState
 from .params import check_float, check_int
 from .registry import register
@@ -62,6 +64,7 @@ class OkTopk(Method):
     name = "oktopk"
     biased = True
     default_feedback = "residual"
+    gpu_native = True  # the O(n) selection on the device, the O(k) collectives on the host
 
     def __init__(self, *, density: float = 0.01, k: int | None = None, tau: int = 64,
                  tau_prime: int = 32, warmup_steps: int = DEFAULT_WARMUP_STEPS,
@@ -110,13 +113,16 @@ class OkTopk(Method):
                 state: TensorState) -> tuple[np.ndarray, np.ndarray]:
         from ..mpi_collectives.oktopk import ok_sparse_allreduce
 
+        xp = get_array_module(x)
         flat = x.reshape(-1)
         step = state.t - self.warmup_steps  # Algorithm 1's t: 1 at the first sparse step
         res = ok_sparse_allreduce(comm, flat, self.k_for(flat.size), step, state, self.schedule())
-        avg = np.zeros_like(flat)
-        avg[res.indices] = res.values / flat.dtype.type(comm.size)
-        local = np.zeros_like(flat)
-        local[res.involved] = flat[res.involved]
+        avg = xp.zeros_like(flat)
+        avg[as_module_array(res.indices, xp)] = as_module_array(
+            res.values / flat.dtype.type(comm.size), xp)
+        local = xp.zeros_like(flat)
+        involved = as_module_array(res.involved, xp)
+        local[involved] = flat[involved]
         return avg.reshape(x.shape), local.reshape(x.shape)
 
 

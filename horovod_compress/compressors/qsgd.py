@@ -31,8 +31,9 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels.quantize import (abs_max, linear_dequantize, linear_quantize, pack_nibbles,
-                                sum_squares, unpack_nibbles)
+from ..kernels import dispatch
+from ..kernels.arrays import get_array_module
+from ..kernels.quantize import abs_max, sum_squares
 from .base import Method, TensorState
 from .params import check_choice, check_int
 from .registry import register
@@ -45,6 +46,7 @@ class QSGD(Method):
     name = "qsgd"
     biased = False
     default_feedback = "none"
+    gpu_native = True
 
     def __init__(self, *, bits: int = 8, norm: str = "l2", feedback: str | None = None,
                  warmup_steps: int = 0, seed: int = 0, **feedback_params: Any) -> None:
@@ -72,6 +74,10 @@ class QSGD(Method):
         """||x_i||_q in float64; non-finite when x_i holds NaN/Inf (the receivers detect it)."""
         if flat.size == 0:
             return 0.0
+        xp = get_array_module(flat)
+        if xp is not np:  # on the GPU: one reduction, then a scalar to the host
+            x64 = flat.astype(np.float64)
+            return float(xp.abs(x64).max()) if self.norm == "inf" else math.sqrt(float(xp.dot(x64, x64)))
         x = np.ascontiguousarray(flat)
         return abs_max(x) if self.norm == "inf" else math.sqrt(sum_squares(x))
 
@@ -82,15 +88,19 @@ class QSGD(Method):
         if norm < exact:  # round up so |x| / norm <= 1 holds for the float32 sent
             norm = np.nextafter(norm, np.float32(np.inf))
         scale = 1.0 / float(norm) if math.isfinite(norm) and norm > 0 else 0.0
-        q = linear_quantize(flat, scale, self.levels, key)
-        body = q.view(np.uint8) if self.bits == 8 else pack_nibbles(q)
-        return np.concatenate([np.array([norm], dtype=np.float32).view(np.uint8), body]), q
+        xp = get_array_module(flat)
+        q = dispatch.call("linear_quantize", flat, scale, self.levels, key)
+        body = q.view(np.uint8) if self.bits == 8 else dispatch.call("pack_nibbles", q)
+        head = xp.asarray(np.array([norm], dtype=np.float32).view(np.uint8))
+        return xp.concatenate([head, body]), q
 
     def decode(self, message: np.ndarray, n: int) -> tuple[float, np.ndarray]:
         """(norm, int8 levels) of one message of :meth:`encode`."""
-        norm = float(np.ascontiguousarray(message[:4]).view(np.float32)[0])
+        xp = get_array_module(message)
+        norm = float(xp.ascontiguousarray(message[:4]).view(np.float32)[0])
         body = message[4:]
-        q = body.view(np.int8) if self.bits == 8 else unpack_nibbles(body, n, signed=True)
+        q = body.view(np.int8) if self.bits == 8 else dispatch.call(
+            "unpack_nibbles", xp.ascontiguousarray(body), n, True)
         return norm, q
 
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
@@ -111,10 +121,10 @@ class QSGD(Method):
                 avg = comm.allreduce(flat, op="avg")
             return avg.reshape(x.shape), flat.copy().reshape(x.shape)
         s = self.levels
-        total = np.zeros(n, dtype=np.float64)
+        total = get_array_module(flat).zeros(n, dtype=np.float64)
         for norm, q in decoded:
             total += q.astype(np.float64) * (norm / s)
         avg = (total / comm.size).astype(flat.dtype)
         own_norm = decoded[comm.rank][0]
-        local = linear_dequantize(q_own, own_norm / s, flat.dtype)
+        local = dispatch.call("linear_dequantize", q_own, own_norm / s, flat.dtype)
         return avg.reshape(x.shape), local.reshape(x.shape)

@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from ..kernels.arrays import as_module_array, get_array_module
+
 from .base import Method, TensorState
 from .registry import register
 from .sparse_common import check_density, k_from_density
@@ -37,6 +39,7 @@ class RandK(Method):
     biased = True
     default_feedback = "residual"
     horovod_compatible = True
+    gpu_native = True
 
     def __init__(self, *, density: float = 0.01, unbiased: bool = False,
                  feedback: str | None = None, warmup_steps: int = 0, seed: int = 0,
@@ -61,13 +64,14 @@ class RandK(Method):
 
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
                 state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+        xp = get_array_module(x)
         flat = x.reshape(-1)
-        idx = self.indices(name, state.t, flat.size)
-        vals = comm.allreduce(np.ascontiguousarray(flat[idx]), op="avg")
+        idx = as_module_array(self.indices(name, state.t, flat.size), xp)  # drawn on the host
+        vals = comm.allreduce(xp.ascontiguousarray(flat[idx]), op="avg")
         scale = flat.dtype.type(flat.size / max(idx.size, 1)) if self.unbiased else None
-        avg = np.zeros_like(flat)
+        avg = xp.zeros_like(flat)
         avg[idx] = vals * scale if scale is not None else vals
-        local = np.zeros_like(flat)
+        local = xp.zeros_like(flat)
         local[idx] = flat[idx] * scale if scale is not None else flat[idx]
         return avg.reshape(x.shape), local.reshape(x.shape)
 

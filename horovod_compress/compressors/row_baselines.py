@@ -26,7 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels.rows import gather_rows, matrix_shape, row_sq_norms, scatter_rows, top_rows
+from ..kernels import dispatch
+from ..kernels.arrays import as_module_array, get_array_module, to_host
+from ..kernels.rows import matrix_shape, top_rows
 from .base import Method, TensorState
 from .registry import register
 from .row_common import check_ratio, rows_from_ratio
@@ -38,6 +40,7 @@ class _RowMethod(Method):
     layout = "matrix"
     biased = True
     default_feedback = "ef21m"
+    gpu_native = True
 
     def __init__(self, *, ratio: float = 0.2, feedback: str | None = None,
                  warmup_steps: int = 0, seed: int = 0, **feedback_params: Any) -> None:
@@ -78,12 +81,13 @@ class RandKRows(_RowMethod):
         if view is None:
             return comm.allreduce(x, op="avg"), x
         m, n, k = view
-        g = np.ascontiguousarray(x).reshape(m, n)
-        rows = self.rows(name, state.t, m, k)
-        own = gather_rows(g, rows)
+        xp = get_array_module(x)
+        g = xp.ascontiguousarray(x).reshape(m, n)
+        rows = as_module_array(self.rows(name, state.t, m, k), xp)   # drawn on the host
+        own = dispatch.call("gather_rows", g, rows)
         avg_rows = comm.allreduce(own, op="avg")
-        return (scatter_rows(avg_rows, rows, m).reshape(x.shape),
-                scatter_rows(own, rows, m).reshape(x.shape))
+        return (dispatch.call("scatter_rows", avg_rows, rows, m).reshape(x.shape),
+                dispatch.call("scatter_rows", own, rows, m).reshape(x.shape))
 
     def expected_bytes(self, shape: tuple[int, ...], world_size: int,
                        itemsize: int = 4) -> float:
@@ -106,22 +110,26 @@ class TopKRows(_RowMethod):
         if view is None:
             return comm.allreduce(x, op="avg"), x
         m, n, k = view
-        g = np.ascontiguousarray(x).reshape(m, n)
-        rows = top_rows(row_sq_norms(g), k)                      # this rank's own choice
-        msg = np.empty(k + k * n, dtype=g.dtype)                 # [K indices | K x n rows]
-        msg[k:] = gather_rows(g, rows).reshape(-1)
+        xp = get_array_module(x)
+        g = xp.ascontiguousarray(x).reshape(m, n)
+        norms = to_host(dispatch.call("row_sq_norms", g))
+        rows = as_module_array(top_rows(norms, k), xp)           # this rank's own choice
+        msg = xp.empty(k + k * n, dtype=g.dtype)                 # [K indices | K x n rows]
+        msg[k:] = dispatch.call("gather_rows", g, rows).reshape(-1)
         if g.dtype == np.float32:
             msg[:k] = rows.astype(np.int32).view(np.float32)
         else:                                                    # float64: indices as int64 bits
             msg[:k] = rows.astype(np.int64).view(np.float64)
         gathered = comm.allgather(msg)                           # (P, K + K n)
         idx_type = np.int32 if g.dtype == np.float32 else np.int64
-        total = np.zeros((m, n), dtype=np.float64)
-        for part in gathered:
-            idx = np.ascontiguousarray(part[:k]).view(idx_type)
+        total = xp.zeros((m, n), dtype=np.float64)
+        for j in range(gathered.shape[0]):
+            part = gathered[j]
+            idx = xp.ascontiguousarray(part[:k]).view(idx_type)
             total[idx] += part[k:].reshape(k, n)
         avg = (total / comm.size).astype(g.dtype)
-        return avg.reshape(x.shape), scatter_rows(msg[k:].reshape(k, n), rows, m).reshape(x.shape)
+        local = dispatch.call("scatter_rows", xp.ascontiguousarray(msg[k:]).reshape(k, n), rows, m)
+        return avg.reshape(x.shape), local.reshape(x.shape)
 
     def expected_bytes(self, shape: tuple[int, ...], world_size: int,
                        itemsize: int = 4) -> float:

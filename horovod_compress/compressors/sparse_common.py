@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from ..kernels.arrays import get_array_module
+
 from .base import Method
 from .params import check_float
 
@@ -26,19 +28,24 @@ def check_density(method: str, density: float) -> float:
 
 
 def topk_indices(x: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest |x| (unordered, int64); exact, O(n) via introselect."""
+    """Indices of the k largest |x| (unordered, int64); exact, O(n) via introselect.
+
+    NumPy or CuPy (``xp.argpartition``) by the type of ``x``.
+    """
+    xp = get_array_module(x)
     n = x.size
     if k >= n:
-        return np.arange(n)
+        return xp.arange(n)
     if k <= 0:
-        return np.empty(0, dtype=np.int64)
-    return np.argpartition(np.abs(x), n - k)[n - k:]
+        return xp.empty(0, dtype=np.int64)
+    return xp.argpartition(xp.abs(x), n - k)[n - k:]
 
 
 def pack_coo(indices: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """One float32 buffer [indices as int32 bits | values]."""
+    """One float32 buffer [indices as int32 bits | values] (on the device of ``values``)."""
+    xp = get_array_module(values)
     k = indices.size
-    buf = np.empty(2 * k, dtype=np.float32)
+    buf = xp.empty(2 * k, dtype=np.float32)
     buf[:k] = indices.astype(np.int32).view(np.float32)
     buf[k:] = values
     return buf
@@ -47,14 +54,15 @@ def pack_coo(indices: np.ndarray, values: np.ndarray) -> np.ndarray:
 def unpack_coo(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Inverse of :func:`pack_coo`."""
     k = buf.size // 2
-    return np.ascontiguousarray(buf[:k]).view(np.int32), buf[k:]
+    return get_array_module(buf).ascontiguousarray(buf[:k]).view(np.int32), buf[k:]
 
 
 def scatter_sum(n: int, indices: np.ndarray, values: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Dense length-n vector with ``values`` summed at ``indices`` (duplicates add)."""
+    """Dense length-n vector with ``values`` summed at ``indices`` (duplicates add; NumPy or CuPy)."""
+    xp = get_array_module(values)
     if indices.size == 0:
-        return np.zeros(n, dtype=dtype)
-    return np.bincount(indices, weights=values, minlength=n).astype(dtype, copy=False)
+        return xp.zeros(n, dtype=dtype)
+    return xp.bincount(indices, weights=values, minlength=n).astype(dtype, copy=False)
 
 
 class DensitySparsifier(Method):

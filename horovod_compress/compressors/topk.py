@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from ..kernels.arrays import get_array_module
+
 from .base import TensorState
 from .registry import register
 from .sparse_common import (
@@ -33,6 +35,7 @@ class TopkA(DensitySparsifier):
     """Local top-k + allgather (TopkA)."""
 
     name = "topk"
+    gpu_native = True
 
     def select(self, x: np.ndarray) -> np.ndarray:
         """Indices this rank sends (its local top-k of |x|)."""
@@ -40,15 +43,16 @@ class TopkA(DensitySparsifier):
 
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
                 state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+        xp = get_array_module(x)
         flat = x.reshape(-1)
         idx = self.select(flat)
         gathered = comm.allgather(pack_coo(idx, flat[idx]))  # (P, 2k) words
         k = idx.size
-        all_idx = np.ascontiguousarray(gathered[:, :k]).view(np.int32).reshape(-1)
+        all_idx = xp.ascontiguousarray(gathered[:, :k]).view(np.int32).reshape(-1)
         all_val = gathered[:, k:].reshape(-1)
         total = scatter_sum(flat.size, all_idx, all_val.astype(np.float64), flat.dtype)
         avg = (total / flat.dtype.type(comm.size)).reshape(x.shape)
-        local = np.zeros_like(flat)
+        local = xp.zeros_like(flat)
         local[idx] = flat[idx]
         return avg, local.reshape(x.shape)
 

@@ -33,6 +33,8 @@ G = avg_i x_i. The invariant G = avg_i g_i thus holds after every step, and
 the first compressed step after warm-up continues from the last dense
 direction instead of from zero.
 
+Trackers live where the gradient does (NumPy or CuPy arrays).
+
 Use a plain optimizer step on G (SGD without momentum, as in eq. (11c), or
 Adam): EF21M already carries the momentum (eta = 1 - beta of heavy-ball SGD).
 """
@@ -41,6 +43,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+from ..kernels.arrays import get_array_module
 
 from ..compressors.params import check_float
 from .base import Feedback, register_feedback
@@ -62,8 +66,9 @@ class EF21M(Feedback):
     @staticmethod
     def _tracker(state: dict, key: str, like: np.ndarray) -> np.ndarray:
         arr = state.get(key)
-        if not isinstance(arr, np.ndarray) or arr.shape != like.shape or arr.dtype != like.dtype:
-            arr = np.zeros_like(like)
+        if (arr is None or type(arr) is not type(like) or arr.shape != like.shape
+                or arr.dtype != like.dtype):
+            arr = get_array_module(like).zeros_like(like)
             state[key] = arr
         return arr
 
@@ -85,9 +90,9 @@ class EF21M(Feedback):
 
     def on_dense_step(self, x: np.ndarray, avg: np.ndarray, state: dict) -> None:
         """Re-initialise h_i = g_i = x_i and G = avg (see the module docstring)."""
-        state["fb_h"] = np.array(x, copy=True)
-        state["fb_g"] = np.array(x, copy=True)
-        state["fb_G"] = np.array(avg, copy=True)
+        state["fb_h"] = x.copy()
+        state["fb_g"] = x.copy()
+        state["fb_G"] = avg.copy()
 
 
 @register_feedback
@@ -106,5 +111,5 @@ class EF21(EF21M):
         return x
 
     def on_dense_step(self, x: np.ndarray, avg: np.ndarray, state: dict) -> None:
-        state["fb_g"] = np.array(x, copy=True)
-        state["fb_G"] = np.array(avg, copy=True)
+        state["fb_g"] = x.copy()
+        state["fb_G"] = avg.copy()

@@ -9,12 +9,16 @@ The learning rate is *not* folded into the residual (Ok-Topk's paper does
 ``acc = eps + lr * g``); we accumulate raw gradients and let the wrapped
 optimizer apply ``lr``, which is the same for plain SGD with a constant rate
 and works with any optimizer.
+
+Works on NumPy or CuPy arrays (the residual lives where the gradient does).
 """
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
+
+from ..kernels.arrays import get_array_module
 
 from .base import Feedback, register_feedback
 
@@ -24,9 +28,10 @@ class ResidualFeedback(Feedback):
     name = "residual"
 
     def reduce(self, method: Any, x: np.ndarray, name: str, comm: Any, state: dict) -> np.ndarray:
+        xp = get_array_module(x)
         e = state.get("fb_residual")
-        acc = np.array(x + e) if e is not None and e.shape == x.shape else np.array(x, copy=True)
+        acc = x + e if e is not None and e.shape == x.shape else x.copy()
         avg, local = method._reduce(acc, name, comm, state)
-        np.subtract(acc, local, out=acc)
+        xp.subtract(acc, local, out=acc)
         state["fb_residual"] = acc
         return avg

@@ -27,33 +27,15 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .arrays import get_array_module, is_gpu_array
+
 CPU = "cpu"
 GPU = "gpu"
 PARALLEL_MIN_SIZE = 1 << 20
 
 
 # ----------------------------------------------------------------- array kinds
-def _is_cupy(x: Any) -> bool:
-    return type(x).__module__.split(".")[0] == "cupy"
-
-
-def is_gpu_array(x: Any) -> bool:
-    """Whether ``x`` lives on a GPU: CuPy, Numba device arrays (also simulated), CUDA array interface."""
-    if isinstance(x, np.ndarray):
-        return False
-    return bool(getattr(x, "__cuda_ndarray__", False)) or hasattr(x, "__cuda_array_interface__")
-
-
-def get_array_module(*arrays: Any) -> Any:
-    """``cupy`` if any argument is a CuPy array, else ``numpy`` (as ``cupy.get_array_module``).
-
-    CuPy is imported only when a CuPy array is passed.
-    """
-    for a in arrays:
-        if _is_cupy(a):
-            import cupy  # noqa: PLC0415 - optional dependency
-            return cupy
-    return np
+# is_gpu_array and get_array_module live in kernels/arrays.py and are re-exported here.
 
 
 def device_of(*args: Any) -> str:

@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterator, Sequence, Union
 import numpy as np
 from mpi4py import MPI
 
+from ..kernels.arrays import is_gpu_array, to_host
+
 OpLike = Union[str, MPI.Op]
 
 _NAMED_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD,
@@ -112,6 +114,15 @@ class Communicator:
         self._stats = _Stats()
         self._phase: str | None = None
         self._lock = threading.Lock()
+        self._device: Any = None
+
+    @property
+    def device(self) -> Any:
+        """The :class:`~.cuda_aware.DeviceCollectives` GPU arrays go through (created on first use)."""
+        if self._device is None:
+            from .cuda_aware import DeviceCollectives  # noqa: PLC0415 - cycle: it wraps this class
+            self._device = DeviceCollectives(self)
+        return self._device
 
     # ------------------------------------------------------------------ stats
     @property
@@ -173,6 +184,8 @@ class Communicator:
         ``avg`` sums then divides by P in the array's dtype (floats only).
         Counts ``2N(P-1)/P`` bytes each way for N bytes.
         """
+        if is_gpu_array(array):
+            return self.device.allreduce(array, op)
         send = _contiguous(array)
         mpi_op = _NAMED_OPS[op] if isinstance(op, str) else op
         if isinstance(op, str) and op not in _NAMED_OPS:
@@ -188,7 +201,12 @@ class Communicator:
         return out
 
     def iallreduce(self, array: np.ndarray, op: OpLike = "sum") -> Request:
-        """Non-blocking :meth:`allreduce`; ``wait()`` returns the reduced array."""
+        """Non-blocking :meth:`allreduce`; ``wait()`` returns the reduced array.
+
+        A GPU array is reduced at once (blocking) and returns a completed request.
+        """
+        if is_gpu_array(array):
+            return Request(MPI.REQUEST_NULL, result=self.device.allreduce(array, op))
         send = _contiguous(array)
         mpi_op = _NAMED_OPS[op] if isinstance(op, str) else op
         out = np.empty_like(send)
@@ -208,6 +226,8 @@ class Communicator:
 
     def allgather(self, array: np.ndarray) -> np.ndarray:
         """Gather equal-shaped arrays: returns shape ``(P, *array.shape)``."""
+        if is_gpu_array(array):
+            return self.device.allgather(array)
         send = _contiguous(array)
         out = np.empty((self.size,) + send.shape, dtype=send.dtype)
         self.comm.Allgather(send, out)
@@ -222,6 +242,8 @@ class Communicator:
         length; rank j's part is ``concatenated[offsets[j]:offsets[j+1]]``.
         Counts the exchange of lengths (an allgather of one int64) as well.
         """
+        if is_gpu_array(array):
+            return self.device.allgatherv(array)
         send = _contiguous(array).reshape(-1)
         counts = self.allgather(np.array([send.size], dtype=np.int64)).reshape(-1)
         displs = np.zeros(self.size, dtype=np.int64)
@@ -240,6 +262,8 @@ class Communicator:
         """Send ``chunks[j]`` (1-D, same dtype) to rank j; return what each rank sent here."""
         if len(chunks) != self.size:
             raise ValueError(f"alltoallv needs {self.size} chunks, got {len(chunks)}")
+        if any(is_gpu_array(c) for c in chunks):
+            return self.device.alltoallv(chunks)
         dtype = np.result_type(*[np.asarray(c).dtype for c in chunks])
         parts = [np.ascontiguousarray(c, dtype=dtype).reshape(-1) for c in chunks]
         send_counts = np.array([p.size for p in parts], dtype=np.int64)
@@ -261,7 +285,13 @@ class Communicator:
         return [recv[rdispl[j]:rdispl[j] + recv_counts[j]] for j in range(self.size)]
 
     def broadcast(self, array: np.ndarray, root: int = 0) -> np.ndarray:
-        """Broadcast in place from ``root`` (``array`` must be contiguous); returns it."""
+        """Broadcast in place from ``root`` (``array`` must be contiguous); returns it.
+
+        A GPU array is broadcast in place when MPI is CUDA-aware; staged through
+        the host otherwise, the result is a new device array.
+        """
+        if is_gpu_array(array):
+            return self.device.broadcast(array, root)
         if not array.flags.c_contiguous:
             raise ValueError("broadcast works in place and needs a C-contiguous array")
         self.comm.Bcast(array, root=root)
@@ -294,11 +324,20 @@ class Communicator:
 
     # -------------------------------------------------------- point-to-point
     def isend(self, array: np.ndarray, dest: int, tag: int = 0) -> Request:
-        """Non-blocking send of a NumPy array (any length) to ``dest``."""
-        send = _contiguous(array)
+        """Non-blocking send of an array (any length) to ``dest``.
+
+        A GPU array is sent from device memory when MPI is CUDA-aware, else
+        from a host copy.
+        """
+        if is_gpu_array(array) and self.device.cuda_aware:
+            send = array
+            nbytes = int(array.size) * np.dtype(array.dtype).itemsize
+        else:
+            send = _contiguous(to_host(array))
+            nbytes = send.nbytes
         req = self.comm.Isend(send, dest=dest, tag=tag)
         if dest != self.rank:
-            self._account("p2p", send.nbytes, 0)
+            self._account("p2p", nbytes, 0)
         r = Request(req)
         r._keep = send
         return r
@@ -316,10 +355,26 @@ class Communicator:
         return out
 
     def irecv(self, buffer: np.ndarray, source: int, tag: int = 0) -> Request:
-        """Non-blocking receive into a preallocated ``buffer`` of known size."""
-        req = self.comm.Irecv(buffer, source=source, tag=tag)
+        """Non-blocking receive into a preallocated ``buffer`` of known size.
+
+        A GPU ``buffer`` receives directly when MPI is CUDA-aware; otherwise the
+        message lands in host memory and is copied into it when the request completes.
+        """
+        nbytes = int(buffer.size) * np.dtype(buffer.dtype).itemsize
         if source != self.rank:
-            self._account("p2p", 0, buffer.nbytes)
+            self._account("p2p", 0, nbytes)
+        if is_gpu_array(buffer) and not self.device.cuda_aware:
+            host = np.empty(tuple(buffer.shape), dtype=np.dtype(buffer.dtype))
+            req = self.comm.Irecv(host, source=source, tag=tag)
+
+            def to_device() -> Any:
+                if hasattr(buffer, "set"):      # CuPy
+                    buffer.set(host)
+                else:                           # Numba device array
+                    buffer.copy_to_device(host)
+                return buffer
+            return Request(req, on_complete=to_device)
+        req = self.comm.Irecv(buffer, source=source, tag=tag)
         return Request(req, result=buffer)
 
     def sendrecv(self, array: np.ndarray, dest: int, source: int, tag: int = 0,

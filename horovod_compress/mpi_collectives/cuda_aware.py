@@ -28,7 +28,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..kernels.dispatch import is_gpu_array
+from ..kernels.arrays import is_cupy as _is_cupy
+from ..kernels.arrays import is_gpu_array, to_device_like, to_host
 
 _ENV_OVERRIDE = "HVDC_CUDA_AWARE_MPI"
 _ENV_SWITCHES = ("MV2_USE_CUDA", "MPIR_CVAR_ENABLE_GPU", "MPICH_GPU_SUPPORT_ENABLED")
@@ -71,30 +72,6 @@ def cuda_aware_mpi(refresh: bool = False) -> bool:
 
 
 # ------------------------------------------------------------- array helpers
-def _is_cupy(x: Any) -> bool:
-    return type(x).__module__.split(".")[0] == "cupy"
-
-
-def to_host(x: Any) -> np.ndarray:
-    """A NumPy copy of a GPU array (NumPy arrays pass through)."""
-    if isinstance(x, np.ndarray):
-        return x
-    if _is_cupy(x):
-        import cupy
-        return cupy.asnumpy(x)
-    return x.copy_to_host()
-
-
-def to_device_like(host: np.ndarray, like: Any) -> Any:
-    """``host`` copied to the device, as the same kind of array as ``like``."""
-    host = np.ascontiguousarray(host)
-    if _is_cupy(like):
-        import cupy
-        return cupy.asarray(host)
-    from numba import cuda
-    return cuda.to_device(host)
-
-
 def empty_like(x: Any) -> Any:
     """An uninitialised GPU array with ``x``'s shape and dtype, of the same kind."""
     if _is_cupy(x):
@@ -107,6 +84,13 @@ def empty_like(x: Any) -> Any:
 def _divide_inplace(x: Any, divisor: int) -> None:
     from ..kernels.gpu._common import divide_inplace
     divide_inplace(x, divisor)
+
+
+def _predefined(op: Any) -> bool:
+    """Whether ``op`` is one of MPI's built-in reductions (which CUDA-aware MPI applies on the device)."""
+    from mpi4py import MPI
+    return any(op == builtin for builtin in (MPI.SUM, MPI.MAX, MPI.MIN, MPI.PROD, MPI.LAND, MPI.LOR,
+                                             MPI.BAND, MPI.BOR, MPI.LXOR, MPI.BXOR))
 
 
 # --------------------------------------------------------------- collectives
@@ -137,6 +121,8 @@ class DeviceCollectives:
         route = self._route(x)
         if route == "host":
             return self.comm.allreduce(x, op)
+        if route == "direct" and not isinstance(op, str) and not _predefined(op):
+            route = "staged"  # a user operator is a host callback: it cannot read device memory
         if route == "staged":
             self.staged += 1
             return to_device_like(self.comm.allreduce(to_host(x), op), x)

@@ -67,6 +67,8 @@ from typing import Any, MutableMapping
 
 import numpy as np
 
+from ..kernels import dispatch
+from ..kernels.arrays import get_array_module, to_host
 from ..kernels.selection import coo_sum, kth_largest_abs, select_by_threshold
 from .communicator import Request
 from .coo_messages import (allgatherv_entries, as_bytes, check_index_range, exchange_counts,
@@ -341,7 +343,7 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
     tensor's state on every rank. ``k`` may exceed ``acc.size`` (then every
     nonzero entry is selected).
     """
-    acc = np.ascontiguousarray(acc).reshape(-1)
+    acc = get_array_module(acc).ascontiguousarray(acc).reshape(-1)
     n, p = acc.size, comm.size
     check_index_range(n, "oktopk")
     if step < 1:
@@ -353,14 +355,17 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
     # lines 2-4: local threshold, exact every tau' steps, reused (and nudged) otherwise
     th = float(state.get("local_th", 0.0))
     exact_local = first_of_period or "local_th" not in state or th <= 0.0
+    # (the O(n) passes run where acc lives -- GPU kernels for a CuPy acc -- and only the
+    # selected O(k) COO list comes to the host for the collectives below)
     if exact_local:
-        th = kth_largest_abs(acc, k)
-    idx, val = select_by_threshold(acc, th)
+        th = dispatch.call("kth_largest_abs", acc, k)
+    idx, val = dispatch.call("select_by_threshold", acc, th)
     local_reused = int(idx.size)
     if not exact_local and idx.size > schedule.local_guard * k:
-        th = kth_largest_abs(acc, k)
-        idx, val = select_by_threshold(acc, th)
+        th = dispatch.call("kth_largest_abs", acc, k)
+        idx, val = dispatch.call("select_by_threshold", acc, th)
         exact_local = True
+    idx, val = to_host(idx), to_host(val)
     state["local_th"] = (th if exact_local else
                          _nudge(th, idx.size, k, schedule.low, schedule.high,
                                 schedule.local_scale, schedule.local_scale))

@@ -18,6 +18,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..kernels.arrays import as_module_array, get_array_module, is_gpu_array
+
 from .buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorSpec, plan_buckets
 from .consistency import check_same_tensors
 
@@ -64,7 +66,7 @@ class GradientExchange:
         self._launched = 0
 
     def submit(self, name: str, grad: np.ndarray) -> None:
-        """Hand in this rank's gradient ``name`` for the current step (a NumPy array)."""
+        """Hand in this rank's gradient ``name`` for the current step (a NumPy or CuPy array)."""
         if name not in self._where:
             raise KeyError(f"unknown gradient {name!r}; the exchange was built for {len(self._where)} tensors")
         b, j = self._where[name]
@@ -132,13 +134,15 @@ class GradientExchange:
         bucket = self.buckets[b]
         t0 = time.perf_counter()
         try:
+            inputs = self._inputs[b]
+            xp = get_array_module(*inputs)   # CuPy if any gradient of the bucket is on a GPU
             if bucket.fused:
-                x = np.empty(bucket.numel, dtype=bucket.work_dtype)
-                for j, grad in enumerate(self._inputs[b]):
+                x = xp.empty(bucket.numel, dtype=bucket.work_dtype)
+                for j, grad in enumerate(inputs):
                     start = bucket.offsets[j]
-                    x[start:start + grad.size] = grad.reshape(-1)
+                    x[start:start + grad.size] = as_module_array(grad, xp).reshape(-1)
             else:
-                x = np.asarray(self._inputs[b][0])
+                x = inputs[0] if is_gpu_array(inputs[0]) else np.asarray(inputs[0])
             self._results[b] = self.method.allreduce(x, bucket.name, self.comm)
         except BaseException as exc:  # noqa: BLE001 - surfaced in finish()
             if self._error is None:

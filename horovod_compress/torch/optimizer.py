@@ -24,7 +24,7 @@ from ..runtime.buckets import DEFAULT_BUCKET_BYTES, TensorSpec
 from ..runtime.engine import GradientExchange
 from ..runtime.ops import Average, Sum, op_name
 from . import world
-from .tensors import copy_into, numpy_dtype_name, to_numpy
+from .tensors import copy_into, numpy_dtype_name, to_array
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -91,7 +91,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 f"gradient of {self._hvdc_names[key]!r} computed more often than "
                 f"backward_passes_per_step={self.backward_passes_per_step} before step(); "
                 "raise backward_passes_per_step or call step() in between")
-        grad = to_numpy(p.grad)
+        grad = to_array(p.grad)
         if self._hvdc_predivide != 1.0:
             grad = grad / grad.dtype.type(self._hvdc_predivide)
         self._hvdc_exchange.submit(self._hvdc_names[key], grad)

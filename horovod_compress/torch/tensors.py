@@ -2,14 +2,45 @@
 
 CPU tensors of dtype float32/float64/float16 are viewed without a copy
 (``tensor.numpy()``); bfloat16 (no NumPy dtype) is widened to float32, and GPU
-tensors are staged through host memory.
+tensors become CuPy arrays without a copy (DLPack) when CuPy is installed --
+then the GPU-native methods compress on the device -- and are staged through
+host memory otherwise.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
 
 _NUMPY_OK = {torch.float32, torch.float64, torch.float16}
+
+
+def cupy_available() -> bool:
+    """Whether CuPy imports (checked once); without it CUDA tensors are staged through the host."""
+    global _CUPY_OK
+    if _CUPY_OK is None:
+        try:
+            import cupy  # noqa: F401, PLC0415 - optional dependency
+            _CUPY_OK = True
+        except ImportError:
+            _CUPY_OK = False
+    return _CUPY_OK
+
+
+_CUPY_OK: bool | None = None
+
+
+def to_array(tensor: torch.Tensor) -> Any:
+    """The array the core works on: a CuPy view (DLPack, no copy) of a CUDA tensor when CuPy is
+    installed, else a NumPy view or host copy (:func:`to_numpy`)."""
+    if tensor.device.type == "cuda" and cupy_available():
+        import cupy  # noqa: PLC0415
+        t = tensor.detach()
+        if t.dtype not in _NUMPY_OK:
+            t = t.float()
+        return cupy.from_dlpack(t.contiguous())
+    return to_numpy(tensor)
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -29,6 +60,10 @@ def numpy_dtype_name(tensor: torch.Tensor) -> str:
 
 
 def copy_into(tensor: torch.Tensor, array: np.ndarray) -> None:
-    """Write ``array`` into ``tensor`` (casting to its dtype and device)."""
+    """Write ``array`` (NumPy, or CuPy through DLPack) into ``tensor`` (casting to its dtype and device)."""
+    if type(array).__module__.split(".")[0] == "cupy":
+        import cupy  # noqa: PLC0415
+        tensor.copy_(torch.from_dlpack(cupy.ascontiguousarray(array)).view(tensor.shape))
+        return
     src = torch.from_numpy(np.ascontiguousarray(array)).view(tensor.shape)
     tensor.copy_(src)

@@ -31,6 +31,8 @@ from typing import Any, Callable
 import numpy as np
 from numba import config, cuda, int64
 
+from ..arrays import is_cupy, is_gpu_array, to_device_like, to_host  # noqa: F401 - re-exported
+
 SIMULATOR = bool(config.ENABLE_CUDASIM)
 TPB = 32 if SIMULATOR else 256          # threads per block (a power of two)
 ITEMS = 16 if SIMULATOR else 8          # consecutive items per thread in a scan tile (<= 64)
@@ -39,14 +41,9 @@ MAX_BLOCKS = 3 if SIMULATOR else 1024
 
 
 # ------------------------------------------------------------------- arrays
-def is_cupy(x: Any) -> bool:
-    """Whether ``x`` is a CuPy array (checked without importing CuPy)."""
-    return type(x).__module__.split(".")[0] == "cupy"
-
-
 def is_device_array(x: Any) -> bool:
     """CuPy arrays, Numba device arrays (real or simulated), anything with a CUDA array interface."""
-    return bool(getattr(x, "__cuda_ndarray__", False)) or hasattr(x, "__cuda_array_interface__")
+    return is_gpu_array(x)
 
 
 def _cupy():
@@ -70,21 +67,9 @@ def zeros(like: Any, shape: Any, dtype: Any) -> Any:
     return out
 
 
-def to_host(a: Any) -> np.ndarray:
-    """Copy a device array to a NumPy array (NumPy input is returned as is)."""
-    if isinstance(a, np.ndarray):
-        return a
-    if is_cupy(a):
-        return _cupy().asnumpy(a)
-    return a.copy_to_host()
-
-
 def to_device(host: np.ndarray, like: Any) -> Any:
     """Copy a NumPy array to the device, as the same kind of array as ``like``."""
-    host = np.ascontiguousarray(host)
-    if is_cupy(like):
-        return _cupy().asarray(host)
-    return cuda.to_device(host)
+    return to_device_like(host, like)
 
 
 def flat(x: Any, name: str = "x") -> Any:
