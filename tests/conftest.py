@@ -9,3 +9,22 @@ CASES = Path(__file__).parent / "cases"
 @pytest.fixture
 def cases_dir() -> Path:
     return CASES
+
+
+@pytest.fixture
+def cupy():
+    """The ``cupy`` module on a usable CUDA device; skips the test cleanly otherwise.
+
+    Skips without CuPy, without a visible device (or a working driver), and
+    when this process runs Numba's CUDA simulator (it cannot launch on CuPy memory).
+    """
+    module = pytest.importorskip("cupy")
+    from numba import config
+    if config.ENABLE_CUDASIM:
+        pytest.skip("Numba's CUDA simulator is on in this process")
+    try:
+        if module.cuda.runtime.getDeviceCount() < 1:
+            pytest.skip("no CUDA device")
+    except Exception as exc:  # noqa: BLE001 - CUDA driver missing or broken
+        pytest.skip(f"no usable CUDA device: {exc}")
+    return module

@@ -28,22 +28,8 @@ NATIVE = {
 }
 
 
-def _cupy_or_skip():
-    cupy = pytest.importorskip("cupy")
-    from numba import config
-    if config.ENABLE_CUDASIM:
-        pytest.skip("Numba's CUDA simulator is on in this process")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception as exc:  # noqa: BLE001 - CUDA driver missing or broken
-        pytest.skip(f"no usable CUDA device: {exc}")
-    return cupy
-
-
 @pytest.mark.parametrize("case", sorted(NATIVE))
-def test_native_method_on_cupy_matches_numpy(case: str) -> None:
-    cupy = _cupy_or_skip()
+def test_native_method_on_cupy_matches_numpy(case: str, cupy) -> None:
     from horovod_compress.mpi_collectives import Communicator
     params, rtol = NATIVE[case]
     name = case.split("_4bit")[0].replace("_linear", "")
@@ -61,8 +47,7 @@ def test_native_method_on_cupy_matches_numpy(case: str) -> None:
     assert all(not isinstance(v, cupy.ndarray) for st in sd["state"].values() for v in st.values())
 
 
-def test_staged_method_on_cupy_gives_cupy() -> None:
-    cupy = _cupy_or_skip()
+def test_staged_method_on_cupy_gives_cupy(cupy) -> None:
     from horovod_compress.mpi_collectives import Communicator
     method = Compression.oktopk(density=0.1)
     g = np.random.default_rng(0).standard_normal(500).astype(np.float32)
@@ -70,8 +55,7 @@ def test_staged_method_on_cupy_gives_cupy() -> None:
     assert isinstance(out, cupy.ndarray) and method.device_calls["staged"] == 1
 
 
-def test_torch_cuda_tensor_becomes_cupy_without_copy() -> None:
-    cupy = _cupy_or_skip()
+def test_torch_cuda_tensor_becomes_cupy_without_copy(cupy) -> None:
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch has no CUDA")

@@ -18,27 +18,12 @@ import kernels_gpu_cases  # noqa: E402
 sys.path.pop(0)
 
 
-def _cupy_or_skip():
-    cupy = pytest.importorskip("cupy")
-    from numba import config
-    if config.ENABLE_CUDASIM:
-        pytest.skip("Numba's CUDA simulator is on in this process")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            pytest.skip("no CUDA device")
-    except Exception as exc:  # noqa: BLE001 - CUDA driver missing or broken
-        pytest.skip(f"no usable CUDA device: {exc}")
-    return cupy
-
-
 @pytest.mark.parametrize("check", kernels_gpu_cases.CHECKS)
-def test_gpu_kernel_matches_cpu_on_cupy_arrays(check: str) -> None:
-    cupy = _cupy_or_skip()
+def test_gpu_kernel_matches_cpu_on_cupy_arrays(check: str, cupy) -> None:
     getattr(kernels_gpu_cases, check)(cupy.asarray, cupy.asnumpy)
 
 
-def test_dispatch_picks_gpu_for_cupy() -> None:
-    cupy = _cupy_or_skip()
+def test_dispatch_picks_gpu_for_cupy(cupy) -> None:
     from horovod_compress.kernels import dispatch
     x = cupy.arange(10, dtype=cupy.float32)
     assert dispatch.get_array_module(x) is cupy
