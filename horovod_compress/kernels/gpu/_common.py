@@ -40,6 +40,22 @@ TILE = TPB * ITEMS                      # items per block-wide scan
 MAX_BLOCKS = 3 if SIMULATOR else 1024
 
 
+def guard_simulator_globals(module_globals: dict) -> None:
+    """Make a kernel module's globals safe for Numba's CUDA simulator (call at the end of the module).
+
+    The simulator runs every CUDA thread as a Python thread, and each call of a
+    device function iterates that function's module globals
+    (``swapped_cuda_module``). The first warning raised from code of a module
+    -- NumPy's "overflow in scalar multiply" from SplitMix64's uint64
+    arithmetic, wrapping as intended -- inserts ``__warningregistry__`` into
+    its globals, and a thread iterating them at that moment fails with
+    "dictionary changed size during iteration" (seen as a rare test failure
+    under load). Creating the registry up front leaves nothing to insert.
+    """
+    if SIMULATOR:
+        module_globals.setdefault("__warningregistry__", {})
+
+
 # ------------------------------------------------------------------- arrays
 def is_device_array(x: Any) -> bool:
     """CuPy arrays, Numba device arrays (real or simulated), anything with a CUDA array interface."""
@@ -403,3 +419,6 @@ def gather(src: Any, idx: Any, dtype: Any = None) -> Any:
     if idx.size:
         _gather_kernel[blocks_for(idx.size), TPB](src, idx, out)
     return out
+
+
+guard_simulator_globals(globals())

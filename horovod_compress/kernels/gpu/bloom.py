@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from ._common import TPB, Compactor, blocks_for, empty, flat, zeros
+from ._common import TPB, blocks_for, Compactor, empty, flat, guard_simulator_globals, zeros
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -129,3 +129,6 @@ def bloom_query_range(bits: Any, m: int, h: int, seed: int, n: int) -> Any:
 
 
 __all__ = ["bloom_insert", "bloom_positions", "bloom_query_range", "mix64"]
+
+
+guard_simulator_globals(globals())

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 from numba import cuda, int64
 
-from ._common import TPB, block_sum, blocks_for, empty, flat, to_host, zeros
+from ._common import (TPB, block_sum, blocks_for, empty, flat, guard_simulator_globals, to_host,
+                      zeros)
 from .rng import random_word
 
 
@@ -151,3 +152,6 @@ def exp_reduce_packed(a: Any, b: Any, bits: int, key: int, counter: int = 0) -> 
 
 __all__ = ["exp_reduce4_into", "exp_reduce8_into", "exp_reduce_codes", "exp_reduce_codes_into",
            "exp_reduce_packed", "exp_reduce_pair"]
+
+
+guard_simulator_globals(globals())

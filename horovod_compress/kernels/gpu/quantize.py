@@ -22,7 +22,7 @@ import numpy as np
 from numba import cuda
 
 from ..quantize import exp_code_layout
-from ._common import TPB, blocks_for, empty, flat, ldexp
+from ._common import TPB, blocks_for, empty, flat, guard_simulator_globals, ldexp
 from .rng import random_uniform
 
 
@@ -216,3 +216,6 @@ def nibble_add_into(a: Any, b: Any, out: Any) -> None:
 
 __all__ = ["exp_dequantize", "exp_quantize", "linear_dequantize", "linear_quantize",
            "linear_quantize_into", "nibble_add_into", "pack_nibbles", "unpack_nibbles"]
+
+
+guard_simulator_globals(globals())

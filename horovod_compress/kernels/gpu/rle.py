@@ -25,8 +25,8 @@ import numpy as np
 from numba import cuda
 
 from ..rle import INVALID, OK, OVERFLOW, TRUNCATED
-from ._common import (TPB, Compactor, blocks_for, empty, exclusive_scan, flat, to_device, to_host,
-                      zeros)
+from ._common import (TPB, blocks_for, Compactor, empty, exclusive_scan, flat,
+                      guard_simulator_globals, to_device, to_host, zeros)
 
 
 # --------------------------------------------------------------- encoding runs
@@ -234,3 +234,6 @@ def varint_decode(buf: Any, count: int) -> tuple[Any, int, int]:
 
 
 __all__ = ["indices_from_runs", "runs_from_sorted_indices", "varint_decode", "varint_encode"]
+
+
+guard_simulator_globals(globals())

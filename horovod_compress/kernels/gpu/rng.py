@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from ._common import TPB, blocks_for, empty
+from ._common import TPB, blocks_for, empty, guard_simulator_globals
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -74,3 +74,6 @@ def random_uniforms(key: int, start: int, n: int, like=None):
 
 
 __all__ = ["GOLDEN", "random_uniform", "random_uniforms", "random_word", "random_words", "splitmix64"]
+
+
+guard_simulator_globals(globals())

@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from ._common import TPB, block_sum, blocks_for, empty, fill, flat, is_device_array
+from ._common import (TPB, block_sum, blocks_for, empty, fill, flat, guard_simulator_globals,
+                      is_device_array)
 
 
 def _matrix(mat: Any, name: str) -> Any:
@@ -105,3 +106,6 @@ def row_sq_norms(mat: Any) -> Any:
 
 
 __all__ = ["gather_rows", "row_sq_norms", "scatter_rows"]
+
+
+guard_simulator_globals(globals())

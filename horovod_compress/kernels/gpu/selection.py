@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 from numba import cuda, int64
 
-from ._common import (TPB, Compactor, blocks_for, block_sum, cast, dtype_of, empty, exclusive_scan,
-                      fill, flat, gather, int_min_max, to_device, to_host, zeros)
+from ._common import (TPB, block_sum, blocks_for, cast, Compactor, dtype_of, empty, exclusive_scan,
+                      fill, flat, gather, guard_simulator_globals, int_min_max, to_device, to_host,
+                      zeros)
 
 
 # ------------------------------------------------------------ threshold select
@@ -258,3 +259,6 @@ def coo_sum(indices: Any, values: Any) -> tuple[Any, Any]:
 
 
 __all__ = ["coo_sum", "count_at_least", "gaussian_threshold", "kth_largest_abs", "select_by_threshold"]
+
+
+guard_simulator_globals(globals())
