@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from horovod_compress import codecs
-from horovod_compress.codecs import bitio, container
+from horovod_compress.codecs import bitio
 from horovod_compress.codecs.index_bloom import bloom_size
 from horovod_compress.codecs.index_huffman import canonical_codes, huffman_code_lengths
 from horovod_compress.kernels import bloom as kbloom

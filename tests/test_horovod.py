@@ -1,6 +1,5 @@
 """Horovod interplay (needs the Horovod build from scripts/setup.sh), started with horovodrun -np 2."""
 import json
-import os
 import shutil
 import subprocess
 import sys

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
                      "ms_waiting_overlap": 1e3 * min(waits[True]),
                      "speedup": best[False] / best[True]})
     if comm.rank == 0:
-        lines = [f"# Overlap of communication with the backward pass\n",
+        lines = ["# Overlap of communication with the backward pass\n",
                  f"`hvdc bench overlap --np {comm.size} --hidden {args.hidden} --bucket-mb {args.bucket_mb}` "
                  f"(digits MLP, {rows[0]['num_params']} parameters, best of {args.repeat}; "
                  f"{comm.size} ranks on this machine's cores).\n",

@@ -113,10 +113,10 @@ def format_report(params: dict[str, Any], results: list[ModelResult], beta_star:
         f"omega = gamma/gamma_hat = {params['omega']:.4g}, rho = {params['rho']:g}, "
         f"delta = {params['delta'] * 1e9:.4g} ns/byte (quantize + dequantize)"
         + (f"; speeds measured in {params['source']}" if params.get("source") else ""), "",
-        f"Equation 10 (delta = 0): Global-QSGD is faster for "
+        "Equation 10 (delta = 0): Global-QSGD is faster for "
         + ("every bandwidth" if math.isinf(beta_star_eq10)
            else f"beta < {beta_star_eq10 / 1e9:.4g} GB/s = {beta_star_eq10 / g:.3g} gamma"),
-        f"With the measured delta: faster for "
+        "With the measured delta: faster for "
         + ("every bandwidth" if math.isinf(beta_star) else f"beta < {beta_star / 1e9:.4g} GB/s"),
         "", "| bandwidth (GB/s) | dense allreduce (ms) | Global-QSGD (ms) | speed-up |",
         "|---:|---:|---:|---:|"]

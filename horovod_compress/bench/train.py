@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import ast
 import json
-import os
 from pathlib import Path
 from typing import Any
 

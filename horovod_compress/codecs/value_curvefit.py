@@ -48,13 +48,13 @@ from __future__ import annotations
 import heapq
 import math
 import warnings
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
 from ..compressors.params import check_float, check_int
 from .registry import ValueCodec, register_value_codec
-from .wire import ByteReader, ByteWriter, ContainerError
+from .wire import ByteReader, ByteWriter
 
 RAW_SEGMENT = 255
 MAX_DEGREE = 63

@@ -295,7 +295,6 @@ def case_exact_paths(comm):
     Linear dense (integer allreduce), both sparse paths (float64 sums of
     gathered codes) and QSGD (allgather): avg == (1/P) sum_i local_i.
     """
-    p = comm.size
     n = 3001
     rng = np.random.default_rng(comm.rank)
     dense_x = rng.standard_normal(n).astype(np.float32)
