@@ -73,7 +73,7 @@ def collect_gradients(checkpoints: tuple[int, ...] = (10, 100, 300), seed: int =
 
 
 def _codec_pair(index: str, value: str, fpr: float, fit_tol: float) -> tuple[Any, Any]:
-    from .. import codecs
+    from .. import codecs  # noqa: F401 - registers the codecs
     if index.startswith("bloom-"):
         ic = codecs.make_index_codec("bloom", fpr=fpr, policy=index.split("-", 1)[1])
     else:
@@ -85,7 +85,7 @@ def _codec_pair(index: str, value: str, fpr: float, fit_tol: float) -> tuple[Any
 def measure(grads: list[tuple[str, np.ndarray]], index: str, value: str, density: float,
             fpr: float, fit_tol: float, repeats: int) -> dict[str, Any]:
     """Sum of bytes over ``grads`` by section, mean errors, median encode/decode seconds."""
-    from .. import codecs
+    from .. import codecs  # noqa: F401 - registers the codecs
     from ..compressors.sparse_common import k_from_density, topk_indices
     ic, vc = _codec_pair(index, value, fpr, fit_tol)
     totals = {"header": 0, "index": 0, "permutation": 0, "value": 0}
@@ -146,7 +146,7 @@ def index_bytes_per_entry(grads: list[tuple[str, np.ndarray]], density: float,
     Clustered supports (consecutive or nearby indices) favour RLE and Huffman
     of gaps; the Bloom filter's size depends only on r and fpr.
     """
-    from .. import codecs
+    from .. import codecs  # noqa: F401 - registers the codecs
     from ..compressors.sparse_common import k_from_density, topk_indices
     rng = np.random.default_rng(0)
     cases = list(grads) + [("iid-gaussian", rng.standard_normal(36864).astype(np.float32))]

@@ -326,7 +326,7 @@ def build_cases(n: int, density: float) -> list[Case]:
         library=lambda: np_qsgd_library(x, scale, 127, np.random.default_rng(0)),
         library_label="NumPy QSGD, np.random", same=_eq_tuple))
     cases.append(Case(
-        "exp_quantize [parallel, branch-free]", "quantize", x.nbytes,
+        "exp_quantize (8-bit) [parallel]", "quantize", x.nbytes,
         lambda: parallel.exp_quantize(x, scale, 8, KEY),
         numpy_ref=lambda: np_exp_quantize(x, scale, 127, 7, KEY),
         library=lambda: np_qsgd_library(x, scale, 127, np.random.default_rng(0)),
@@ -527,7 +527,7 @@ def targets(results: list[Result]) -> list[tuple[str, str, bool | None]]:
     sizes = sorted({r.n for r in results})
     big = sizes[-1] if sizes else 0
     for name in ("select_by_threshold", "linear_quantize (s=127)", "exp_quantize (8-bit)",
-                 "exp_quantize [parallel, branch-free]"):
+                 "exp_quantize (8-bit) [parallel]"):
         for n in sizes:
             r = by.get((name, n))
             if r:
@@ -543,8 +543,11 @@ def targets(results: list[Result]) -> list[tuple[str, str, bool | None]]:
             if r and r.library_s:
                 ratio = r.kernel_s / r.library_s
                 out.append((f"{name} within 10x of MPI float32 sum (n={n:,})", f"{ratio:.2f}x", ratio <= 10))
-    slower = [r for r in results if r.numpy_s is not None and r.kernel_s > r.numpy_s]
-    out.append(("no kernel slower than the NumPy code it replaces",
+    # rows.* are NumPy calls themselves (take, fancy assignment, einsum): their "x NumPy" compares
+    # two NumPy spellings of the same copy, 1 +- noise, so they replace nothing and are not counted.
+    slower = [r for r in results if r.numpy_s is not None and r.kernel_s > r.numpy_s
+              and r.group != "rows"]
+    out.append(("no kernel slower than the NumPy code it replaces (rows.* are NumPy code: excluded)",
                 ", ".join(f"{r.name} n={r.n:,}: {r.numpy_s / r.kernel_s:.2f}x" for r in slower) or "none slower",
                 not slower))
     return out

@@ -31,7 +31,10 @@ from .arrays import get_array_module, is_gpu_array
 
 CPU = "cpu"
 GPU = "gpu"
-PARALLEL_MIN_SIZE = 1 << 20
+# Below 2^17 elements a second thread does not pay: measured with NUMBA_NUM_THREADS=2 on the
+# 2-core development VM, the parallel selection/quantizers are 0.67-0.97x of the serial ones at
+# 2^16 elements and 1.2-1.9x at 2^17 (docs/kernels.md).
+PARALLEL_MIN_SIZE = 1 << 17
 
 
 # ----------------------------------------------------------------- array kinds

@@ -1,24 +1,23 @@
 """Multi-core (Numba ``prange``) variants of the element-wise and selection CPU kernels.
 
-Same results as the serial kernels, bit for bit, on any number of threads:
+Same results as the serial kernels, bit for bit, on any number of threads, and
+no slower than them on one thread (each task runs the serial kernel's loop on
+its chunk):
 
-* :func:`select_by_threshold` / :func:`count_at_least` -- the input is cut
-  into ``chunks`` contiguous pieces; pass 1 counts each piece's hits in
-  parallel, an exclusive scan of the counts gives each piece its output
-  offset, pass 2 writes each piece's hits in parallel. Indices come out
-  ascending, as from :mod:`.selection`. Two reads of the input instead of one:
-  this pays from about 3 threads on (see benchmarks/kernels.md).
-* :func:`linear_quantize` / :func:`exp_quantize` -- element ``i`` draws uniform
+* :func:`select_by_threshold` -- one read of the input: each chunk writes
+  its hits' indices into its own slice of a lazily committed scratch array
+  (:func:`.selection.scan_hits`, the serial kernel's loop), then the chunks'
+  hit lists are concatenated at the offsets an exclusive scan of their
+  counts gives. Indices come out ascending, as from :mod:`.selection`.
+  :func:`count_at_least` counts per chunk.
+* :func:`linear_quantize` / :func:`exp_quantize` -- element ``i`` draws word
   ``i`` of stream ``key`` (:mod:`.quantize`), so the split across threads
-  cannot change a bit. The exponential quantizer here also avoids the libm
-  ``frexp`` call and the data-dependent branches of the serial kernel (the
-  random rounding and the sign are 50/50 branches, mispredicted half the
-  time): exponent and mantissa are read from the bit pattern of ``a``, and the
-  rounding decision becomes an integer compare -- the same decisions, so the
-  same codes, about 8x faster on one core (benchmarks/kernels.md).
+  cannot change a bit; each chunk of ``_CHUNK`` elements runs the serial
+  kernels' element function (:func:`.quantize.linear_level`,
+  :func:`.quantize.exp_code`) with its own start state of the generator.
 * :func:`exp_reduce8_into` / :func:`exp_reduce4_into` -- Global-QSGD's
-  Algorithm 2 over the elements in parallel (word ``counter + i`` per
-  element, as in :mod:`.exp_reduce`); saturations summed by a reduction.
+  Algorithm 2 over chunks in parallel (word ``counter + i`` per element, as
+  in :mod:`.exp_reduce`); saturations summed by a reduction.
 
 :mod:`horovod_compress.kernels.dispatch` uses them for NumPy inputs of at
 least ``PARALLEL_MIN_SIZE`` elements when Numba runs more than one thread.
@@ -31,9 +30,16 @@ import numpy as np
 from numba import get_num_threads, njit, prange
 
 from .exp_reduce import exp_reduce_pair
-from .quantize import exp_code_layout, random_uniform, random_word
-
-PARALLEL_MIN_SIZE = 1 << 20
+from .quantize import (
+    GOLDEN,
+    exp_code,
+    exp_code_layout,
+    linear_level,
+    splitmix64,
+    word_state,
+)
+from .dispatch import PARALLEL_MIN_SIZE  # noqa: F401 - re-exported; dispatch applies it
+from .selection import scan_hits
 
 
 def _chunks(n: int) -> int:
@@ -57,27 +63,34 @@ def _count_chunks(x, threshold, nchunks):
     return counts
 
 
+@njit(cache=True)
+def _scan_chunk(x, threshold, lo, hi, idx):
+    """Hits of x[lo:hi] written to idx[lo:] (a chunk never has more hits than elements)."""
+    return scan_hits(x, threshold, lo, hi, idx, lo) - lo
+
+
 @njit(cache=True, parallel=True)
 def _select_chunks(x, threshold, nchunks):
     n = x.size
-    size = (n + nchunks - 1) // nchunks
-    counts = _count_chunks(x, threshold, nchunks)
+    size = (((n + nchunks - 1) // nchunks + 63) // 64) * 64
+    idx = np.empty(n, np.int64)  # lazily committed: only pages holding hits are touched
+    counts = np.empty(nchunks, np.int64)
+    for c in prange(nchunks):
+        lo = min(c * size, n)
+        counts[c] = _scan_chunk(x, threshold, lo, min(lo + size, n), idx)
     offsets = np.zeros(nchunks + 1, np.int64)
     for c in range(nchunks):
         offsets[c + 1] = offsets[c] + counts[c]
-    idx = np.empty(offsets[nchunks], np.int64)
-    val = np.empty(offsets[nchunks], x.dtype)
+    out_idx = np.empty(offsets[nchunks], np.int64)
+    out_val = np.empty(offsets[nchunks], x.dtype)
     for c in prange(nchunks):
-        lo = c * size
-        hi = min(lo + size, n)
+        lo = min(c * size, n)
         w = offsets[c]
-        for i in range(lo, hi):
-            v = x[i]
-            if abs(v) >= threshold and v != 0:
-                idx[w] = i
-                val[w] = v
-                w += 1
-    return idx, val
+        for j in range(counts[c]):
+            p = idx[lo + j]
+            out_idx[w + j] = p
+            out_val[w + j] = x[p]
+    return out_idx, out_val
 
 
 def _float_vector(x: np.ndarray) -> np.ndarray:
@@ -100,22 +113,25 @@ def count_at_least(x: np.ndarray, threshold: float) -> int:
 
 
 # ---------------------------------------------------------------------- quantizers
+_CHUNK = 1 << 16  # elements per parallel task of the quantizers
+
+
+@njit(cache=True)
+def _linear_chunk(x, scale, levels, key, out, lo, hi):
+    s = word_state(key, np.uint64(lo)) - GOLDEN
+    for j in range(np.uint64(lo), np.uint64(hi)):
+        s += GOLDEN
+        out[j] = linear_level(np.float64(x[j]), scale, levels, splitmix64(s))
+
+
 @njit(cache=True, parallel=True)
 def linear_quantize_into(x, scale, levels, key, out):
     """out[i] = sign(x[i]) * xi(|x[i]| * scale * levels) (as :func:`.quantize.linear_quantize_into`)."""
-    for i in prange(x.size):
-        v = np.float64(x[i])
-        y = abs(v) * scale * levels
-        q = 0
-        if y > 0.0 and y < math.inf:
-            lo = math.floor(y)
-            u = random_uniform(key, np.uint64(i))
-            q = np.int64(lo) + np.int64(u < (y - lo))
-            if q > levels:
-                q = levels
-            if v < 0.0:
-                q = -q
-        out[i] = q
+    if not scale >= 0.0:
+        scale = 0.0
+    n = x.size
+    for c in prange((n + _CHUNK - 1) // _CHUNK):
+        _linear_chunk(x, scale, levels, key, out, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
 
 
 def linear_quantize(x: np.ndarray, scale: float, levels: int, key: int) -> np.ndarray:
@@ -128,43 +144,24 @@ def linear_quantize(x: np.ndarray, scale: float, levels: int, key: int) -> np.nd
     return out
 
 
-_EXP_MASK = np.int64(0x7FF)
-_MANT_MASK = np.int64(0x000FFFFFFFFFFFFF)
-_TWO_POW_M53 = 1.0 / 9007199254740992.0
+@njit(cache=True)
+def _exp_chunk(x, scale, emax, sign_bit, tiny_mul, key, out, lo, hi):
+    s = word_state(key, np.uint64(lo)) - GOLDEN
+    for j in range(np.uint64(lo), np.uint64(hi)):
+        s += GOLDEN
+        out[j] = exp_code(np.float64(x[j]), scale, emax, sign_bit, tiny_mul, splitmix64(s))
 
 
 @njit(cache=True, parallel=True)
 def exp_quantize_into(x, scale, emax, sign_shift, key, out):
-    """Exponential dithering, identical to :func:`.quantize.exp_quantize_into`, branch-free.
-
-    With a = |x| * scale = (1 + f 2^-52) 2^(biased - 1023) (normal), frexp's
-    exponent is ex = biased - 1022, so e_low = 1 - ex = 1023 - biased, and
-    2m - 1 = f 2^-52. The uniform is u = W 2^-53 with W the top 53 bits of the
-    random word, hence ``u < 2m - 1`` is the integer test ``W < 2 f``. Below
-    the smallest level (e_low > emax, every subnormal included) the test
-    ``u < a 2^emax`` is kept in floating point (both sides exact).
-    """
+    """Exponential dithering, identical to :func:`.quantize.exp_quantize_into` (same element function)."""
+    if not scale >= 0.0:
+        scale = 0.0
+    tiny_mul = math.ldexp(1.0, emax + 53)
+    sign_bit = np.int64(1) << sign_shift
     n = x.size
-    two_emax = math.ldexp(1.0, emax)
-    nchunks = max(1, min(n, 1024))
-    size = (n + nchunks - 1) // nchunks
-    for c in prange(nchunks):
-        buf = np.empty(1, np.float64)
-        bits = buf.view(np.int64)
-        for i in range(c * size, min(c * size + size, n)):
-            v = np.float64(x[i])
-            a = abs(v) * scale
-            buf[0] = a
-            b = bits[0]
-            biased = (b >> 52) & _EXP_MASK
-            frac = b & _MANT_MASK
-            w = np.int64(random_word(key, np.uint64(i)) >> np.uint64(11))
-            e_low = 1023 - biased
-            e_norm = max(e_low - np.int64(w < 2 * frac), 1)
-            e_tiny = emax * np.int64(np.float64(w) * _TWO_POW_M53 < a * two_emax)
-            e = e_tiny if e_low > emax else e_norm
-            e = e * np.int64((a > 0.0) & (biased != _EXP_MASK))  # 0, NaN and inf give code 0
-            out[i] = e | (np.int64((v < 0.0) & (e > 0)) << sign_shift)
+    for c in prange((n + _CHUNK - 1) // _CHUNK):
+        _exp_chunk(x, scale, emax, sign_bit, tiny_mul, key, out, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
 
 
 def exp_quantize(x: np.ndarray, scale: float, bits: int, key: int) -> np.ndarray:
@@ -177,31 +174,52 @@ def exp_quantize(x: np.ndarray, scale: float, bits: int, key: int) -> np.ndarray
 
 
 # ---------------------------------------------------------------- exponential reduce
+@njit(cache=True)
+def _exp_reduce8_chunk(a, b, out, key, counter, lo, hi):
+    state = word_state(key, counter + np.uint64(lo)) - GOLDEN
+    sat = 0
+    for i in range(np.uint64(lo), np.uint64(hi)):
+        state += GOLDEN
+        c, s = exp_reduce_pair(np.int64(a[i]), np.int64(b[i]), splitmix64(state), 7)
+        out[i] = np.uint8(c)
+        sat += s
+    return sat
+
+
+@njit(cache=True)
+def _exp_reduce4_chunk(a, b, out, key, counter, lo, hi):
+    state = word_state(key, counter + np.uint64(2 * lo)) - GOLDEN
+    sat = 0
+    for i in range(np.uint64(lo), np.uint64(hi)):
+        x = np.int64(a[i])
+        y = np.int64(b[i])
+        r0 = splitmix64(state + GOLDEN)
+        state += GOLDEN + GOLDEN
+        r1 = splitmix64(state)
+        c0, s0 = exp_reduce_pair(x & 15, y & 15, r0, 3)
+        c1, s1 = exp_reduce_pair(x >> 4, y >> 4, r1, 3)
+        out[i] = np.uint8(c0 | (c1 << 4))
+        sat += s0 + s1
+    return sat
+
+
 @njit(cache=True, parallel=True)
 def exp_reduce8_into(a, b, out, key, counter):
     """As :func:`.exp_reduce.exp_reduce8_into`, multi-threaded; returns the saturations."""
+    n = a.size
     sat = 0
-    for i in prange(a.size):
-        r = random_word(key, counter + np.uint64(i))
-        c, s = exp_reduce_pair(np.int64(a[i]), np.int64(b[i]), r, 7)
-        out[i] = np.uint8(c)
-        sat += s
+    for c in prange((n + _CHUNK - 1) // _CHUNK):
+        sat += _exp_reduce8_chunk(a, b, out, key, counter, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
     return sat
 
 
 @njit(cache=True, parallel=True)
 def exp_reduce4_into(a, b, out, key, counter):
     """As :func:`.exp_reduce.exp_reduce4_into`, multi-threaded; returns the saturations."""
+    n = a.size
     sat = 0
-    for i in prange(a.size):
-        x = np.int64(a[i])
-        y = np.int64(b[i])
-        r0 = random_word(key, counter + np.uint64(2 * i))
-        r1 = random_word(key, counter + np.uint64(2 * i + 1))
-        lo, s0 = exp_reduce_pair(x & 15, y & 15, r0, 3)
-        hi, s1 = exp_reduce_pair(x >> 4, y >> 4, r1, 3)
-        out[i] = np.uint8(lo | (hi << 4))
-        sat += s0 + s1
+    for c in prange((n + _CHUNK - 1) // _CHUNK):
+        sat += _exp_reduce4_chunk(a, b, out, key, counter, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
     return sat
 
 

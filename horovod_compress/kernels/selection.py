@@ -33,6 +33,8 @@ import math
 
 import numpy as np
 from numba import njit
+from numba.cpython.unsafe.numbers import trailing_zeros
+
 
 # ----------------------------------------------------------------- exact k-th
 @njit(cache=True)
@@ -93,16 +95,42 @@ def kth_largest_abs(x: np.ndarray, k: int) -> float:
 
 
 # ------------------------------------------------------ threshold selection
+@njit(cache=True, inline="always")
+def scan_hits(x, threshold, lo, hi, idx, w):
+    """Write the indices i in [lo, hi) with |x[i]| >= threshold, x[i] != 0 to idx[w:]; return the new w.
+
+    Blocks of 64 elements: a branch-free (vectorised) pass builds the block's
+    64-bit hit mask, then only the set bits are visited (trailing-zero
+    count), so the cost is one vector compare per element plus a few
+    instructions per hit -- no mispredicted branch per element and no
+    scalar loop over the misses. Indices are unsigned so that Numba emits no
+    negative-index wraparound, which would block vectorisation.
+    """
+    i = np.uint64(lo)
+    end = np.uint64(hi)
+    while i + np.uint64(64) <= end:
+        m = np.uint64(0)
+        for j in range(64):
+            v = x[i + np.uint64(j)]
+            m |= np.uint64((abs(v) >= threshold) & (v != 0)) << np.uint64(j)
+        while m != np.uint64(0):
+            idx[w] = np.int64(i) + np.int64(trailing_zeros(m))
+            w += 1
+            m &= m - np.uint64(1)
+        i += np.uint64(64)
+    for k in range(i, end):
+        v = x[k]
+        if abs(v) >= threshold and v != 0:
+            idx[w] = np.int64(k)
+            w += 1
+    return w
+
+
 @njit(cache=True)
 def _select_by_threshold(x, threshold):
     n = x.size
     idx = np.empty(n, np.int64)  # lazily committed: only the selected pages are touched
-    count = 0
-    for i in range(n):
-        v = x[i]
-        if abs(v) >= threshold and v != 0:
-            idx[count] = i
-            count += 1
+    count = scan_hits(x, threshold, 0, n, idx, 0)
     out_idx = idx[:count].copy()
     out_val = np.empty(count, x.dtype)
     for j in range(count):
