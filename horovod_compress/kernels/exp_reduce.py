@@ -120,6 +120,43 @@ def exp_reduce_codes(a: np.ndarray, b: np.ndarray, r: np.ndarray, bits: int) -> 
 
 
 @njit(cache=True)
+def exp_reduce8_range(a: np.ndarray, b: np.ndarray, out: np.ndarray, key: np.uint64,
+                      counter: np.uint64, lo: int, hi: int) -> int:
+    """8-bit codes of elements ``lo <= i < hi``: out[i] = reduce(a[i], b[i]) with word counter+i.
+
+    The loop of :func:`exp_reduce8_into` and of each chunk of the parallel variant
+    (:mod:`.parallel`). Unsigned loop bounds and the additive Weyl state let LLVM vectorise it.
+    """
+    state = word_state(key, counter + np.uint64(lo)) - GOLDEN  # word counter+i = mix(state + (i-lo+1) G)
+    sat = 0
+    for i in range(np.uint64(lo), np.uint64(hi)):
+        state += GOLDEN
+        c, s = exp_reduce_pair(np.int64(a[i]), np.int64(b[i]), splitmix64(state), 7)
+        out[i] = np.uint8(c)
+        sat += s
+    return sat
+
+
+@njit(cache=True)
+def exp_reduce4_range(a: np.ndarray, b: np.ndarray, out: np.ndarray, key: np.uint64,
+                      counter: np.uint64, lo: int, hi: int) -> int:
+    """Packed 4-bit codes of bytes ``lo <= i < hi`` (words counter+2i and counter+2i+1); see the 8-bit one."""
+    state = word_state(key, counter + np.uint64(2 * lo)) - GOLDEN
+    sat = 0
+    for i in range(np.uint64(lo), np.uint64(hi)):
+        x = np.int64(a[i])
+        y = np.int64(b[i])
+        r0 = splitmix64(state + GOLDEN)
+        state += GOLDEN + GOLDEN
+        r1 = splitmix64(state)
+        c0, s0 = exp_reduce_pair(x & 15, y & 15, r0, 3)
+        c1, s1 = exp_reduce_pair(x >> 4, y >> 4, r1, 3)
+        out[i] = np.uint8(c0 | (c1 << 4))
+        sat += s0 + s1
+    return sat
+
+
+@njit(cache=True)
 def exp_reduce8_into(a: np.ndarray, b: np.ndarray, out: np.ndarray, key: np.uint64,
                      counter: np.uint64) -> int:
     """8-bit codes, one per byte: out[i] = reduce(a[i], b[i]) with word counter+i of ``key``.
@@ -127,14 +164,7 @@ def exp_reduce8_into(a: np.ndarray, b: np.ndarray, out: np.ndarray, key: np.uint
     Returns the number of saturated elements. ``out`` may alias ``b``, but a separate
     ``out`` lets LLVM vectorise the loop (about 3x faster on x86-64 with AVX-512).
     """
-    sat = 0
-    state = word_state(key, counter) - GOLDEN  # word counter + i = splitmix64(state + (i + 1) G)
-    for i in range(a.size):
-        state += GOLDEN
-        c, s = exp_reduce_pair(np.int64(a[i]), np.int64(b[i]), splitmix64(state), 7)
-        out[i] = np.uint8(c)
-        sat += s
-    return sat
+    return exp_reduce8_range(a, b, out, key, counter, 0, a.size)
 
 
 @njit(cache=True)
@@ -144,19 +174,7 @@ def exp_reduce4_into(a: np.ndarray, b: np.ndarray, out: np.ndarray, key: np.uint
 
     Returns the number of saturated elements. ``out`` may alias ``b`` (slower: see exp_reduce8_into).
     """
-    sat = 0
-    state = word_state(key, counter) - GOLDEN  # words counter + 2i, counter + 2i + 1
-    for i in range(a.size):
-        x = np.int64(a[i])
-        y = np.int64(b[i])
-        r0 = splitmix64(state + GOLDEN)
-        state += GOLDEN + GOLDEN
-        r1 = splitmix64(state)
-        lo, s0 = exp_reduce_pair(x & 15, y & 15, r0, 3)
-        hi, s1 = exp_reduce_pair(x >> 4, y >> 4, r1, 3)
-        out[i] = np.uint8(lo | (hi << 4))
-        sat += s0 + s1
-    return sat
+    return exp_reduce4_range(a, b, out, key, counter, 0, a.size)
 
 
 def exp_reduce_packed(a: np.ndarray, b: np.ndarray, bits: int, key: int,

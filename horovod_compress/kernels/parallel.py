@@ -29,7 +29,7 @@ import math
 import numpy as np
 from numba import get_num_threads, njit, prange
 
-from .exp_reduce import exp_reduce_pair
+from .exp_reduce import exp_reduce4_range, exp_reduce8_range
 from .quantize import (
     GOLDEN,
     exp_code,
@@ -174,42 +174,13 @@ def exp_quantize(x: np.ndarray, scale: float, bits: int, key: int) -> np.ndarray
 
 
 # ---------------------------------------------------------------- exponential reduce
-@njit(cache=True)
-def _exp_reduce8_chunk(a, b, out, key, counter, lo, hi):
-    state = word_state(key, counter + np.uint64(lo)) - GOLDEN
-    sat = 0
-    for i in range(np.uint64(lo), np.uint64(hi)):
-        state += GOLDEN
-        c, s = exp_reduce_pair(np.int64(a[i]), np.int64(b[i]), splitmix64(state), 7)
-        out[i] = np.uint8(c)
-        sat += s
-    return sat
-
-
-@njit(cache=True)
-def _exp_reduce4_chunk(a, b, out, key, counter, lo, hi):
-    state = word_state(key, counter + np.uint64(2 * lo)) - GOLDEN
-    sat = 0
-    for i in range(np.uint64(lo), np.uint64(hi)):
-        x = np.int64(a[i])
-        y = np.int64(b[i])
-        r0 = splitmix64(state + GOLDEN)
-        state += GOLDEN + GOLDEN
-        r1 = splitmix64(state)
-        c0, s0 = exp_reduce_pair(x & 15, y & 15, r0, 3)
-        c1, s1 = exp_reduce_pair(x >> 4, y >> 4, r1, 3)
-        out[i] = np.uint8(c0 | (c1 << 4))
-        sat += s0 + s1
-    return sat
-
-
 @njit(cache=True, parallel=True)
 def exp_reduce8_into(a, b, out, key, counter):
     """As :func:`.exp_reduce.exp_reduce8_into`, multi-threaded; returns the saturations."""
     n = a.size
     sat = 0
     for c in prange((n + _CHUNK - 1) // _CHUNK):
-        sat += _exp_reduce8_chunk(a, b, out, key, counter, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
+        sat += exp_reduce8_range(a, b, out, key, counter, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
     return sat
 
 
@@ -219,7 +190,7 @@ def exp_reduce4_into(a, b, out, key, counter):
     n = a.size
     sat = 0
     for c in prange((n + _CHUNK - 1) // _CHUNK):
-        sat += _exp_reduce4_chunk(a, b, out, key, counter, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
+        sat += exp_reduce4_range(a, b, out, key, counter, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
     return sat
 
 
