@@ -626,9 +626,8 @@ def _machine() -> str:
     return f"{model}, {os.cpu_count()} logical CPUs, {platform.system()}"
 
 
-def run(args: argparse.Namespace) -> int:
-    import numba
-    from tqdm import tqdm
+def checked_args(args: argparse.Namespace) -> tuple[list[int], set[str]]:
+    """(sizes, kernel names of ``--only``) of a kernel benchmark; ``ValueError`` on a bad option."""
     try:
         sizes = [int(s) for s in str(args.sizes).split(",") if s.strip()]
     except ValueError:
@@ -639,7 +638,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
     if not 0.0 < args.density < 1.0:
         raise ValueError(f"--density must be in (0, 1), got {args.density}")
-    only = {s.strip() for s in args.only.split(",") if s.strip()}
+    return sizes, {s.strip() for s in args.only.split(",") if s.strip()}
+
+
+def run(args: argparse.Namespace) -> int:
+    import numba
+    from tqdm import tqdm
+    sizes, only = checked_args(args)
     results: list[Result] = []
     with tqdm(total=0, unit="kernel", desc="bench kernels") as bar:
         for n in sizes:
@@ -665,4 +670,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["build_cases", "measure", "register_bench", "run", "targets"]
+__all__ = ["build_cases", "checked_args", "measure", "register_bench", "run", "targets"]

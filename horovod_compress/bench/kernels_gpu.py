@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .kernels import KEY, _fmt_ratio, _machine
+from .kernels import KEY, _fmt_ratio, _machine, checked_args
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -320,18 +320,8 @@ def write_markdown(results: list[GpuResult], path: Path, meta: dict[str, Any]) -
 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
-    try:
-        sizes = [int(s) for s in str(args.sizes).split(",") if s.strip()]
-    except ValueError:
-        raise ValueError(f"--sizes must be comma-separated integers, got {args.sizes!r}") from None
-    if not sizes or min(sizes) < 1024:
-        raise ValueError(f"--sizes must be >= 1024 each, got {args.sizes!r}")
-    if args.repeat < 1:
-        raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
-    if not 0.0 < args.density < 1.0:
-        raise ValueError(f"--density must be in (0, 1), got {args.density}")
+    sizes, only = checked_args(args)
     device = Device()
-    only = {s.strip() for s in args.only.split(",") if s.strip()}
     results: list[GpuResult] = []
     with tqdm(total=0, unit="kernel", desc="bench kernels-gpu") as bar:
         for n in sizes:

@@ -60,6 +60,21 @@ class _RowMethod(Method):
         k = rows_from_ratio(self.ratio, m)
         return None if k >= m else (m, n, k)
 
+    def _reduce(self, x: np.ndarray, name: str, comm: Any,
+                state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+        view = self.view(x.shape)
+        if view is None:
+            return comm.allreduce(x, op="avg"), x
+        m, n, k = view
+        g = get_array_module(x).ascontiguousarray(x).reshape(m, n)
+        avg, local = self._reduce_rows(g, k, name, comm, state)
+        return avg.reshape(x.shape), local.reshape(x.shape)
+
+    def _reduce_rows(self, g: np.ndarray, k: int, name: str, comm: Any,
+                     state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+        """``(avg, local)`` as m x n matrices for the m x n view ``g`` of a tensor, keeping K = ``k`` rows."""
+        raise NotImplementedError(f"{type(self).__name__} must implement _reduce_rows")
+
     @staticmethod
     def _dense_bytes(shape: tuple[int, ...], world_size: int, itemsize: int) -> float:
         return 2.0 * int(np.prod(shape, dtype=np.int64)) * itemsize * (world_size - 1) / world_size
@@ -75,19 +90,14 @@ class RandKRows(_RowMethod):
         """The shared row set I_t of tensor ``name`` at ``step`` (ascending)."""
         return np.sort(self.rng(name, step, "randk_rows").choice(m, size=k, replace=False))
 
-    def _reduce(self, x: np.ndarray, name: str, comm: Any,
-                state: TensorState) -> tuple[np.ndarray, np.ndarray]:
-        view = self.view(x.shape)
-        if view is None:
-            return comm.allreduce(x, op="avg"), x
-        m, n, k = view
-        xp = get_array_module(x)
-        g = xp.ascontiguousarray(x).reshape(m, n)
-        rows = as_module_array(self.rows(name, state.t, m, k), xp)   # drawn on the host
+    def _reduce_rows(self, g: np.ndarray, k: int, name: str, comm: Any,
+                     state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+        m = g.shape[0]
+        rows = as_module_array(self.rows(name, state.t, m, k), get_array_module(g))  # drawn on the host
         own = dispatch.call("gather_rows", g, rows)
         avg_rows = comm.allreduce(own, op="avg")
-        return (dispatch.call("scatter_rows", avg_rows, rows, m).reshape(x.shape),
-                dispatch.call("scatter_rows", own, rows, m).reshape(x.shape))
+        return (dispatch.call("scatter_rows", avg_rows, rows, m),
+                dispatch.call("scatter_rows", own, rows, m))
 
     def expected_bytes(self, shape: tuple[int, ...], world_size: int,
                        itemsize: int = 4) -> float:
@@ -104,14 +114,10 @@ class TopKRows(_RowMethod):
 
     name = "topk_rows"
 
-    def _reduce(self, x: np.ndarray, name: str, comm: Any,
-                state: TensorState) -> tuple[np.ndarray, np.ndarray]:
-        view = self.view(x.shape)
-        if view is None:
-            return comm.allreduce(x, op="avg"), x
-        m, n, k = view
-        xp = get_array_module(x)
-        g = xp.ascontiguousarray(x).reshape(m, n)
+    def _reduce_rows(self, g: np.ndarray, k: int, name: str, comm: Any,
+                     state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+        m, n = g.shape
+        xp = get_array_module(g)
         norms = to_host(dispatch.call("row_sq_norms", g))
         rows = as_module_array(top_rows(norms, k), xp)           # this rank's own choice
         msg = xp.empty(k + k * n, dtype=g.dtype)                 # [K indices | K x n rows]
@@ -128,8 +134,7 @@ class TopKRows(_RowMethod):
             idx = xp.ascontiguousarray(part[:k]).view(idx_type)
             total[idx] += part[k:].reshape(k, n)
         avg = (total / comm.size).astype(g.dtype)
-        local = dispatch.call("scatter_rows", xp.ascontiguousarray(msg[k:]).reshape(k, n), rows, m)
-        return avg.reshape(x.shape), local.reshape(x.shape)
+        return avg, dispatch.call("scatter_rows", xp.ascontiguousarray(msg[k:]).reshape(k, n), rows, m)
 
     def expected_bytes(self, shape: tuple[int, ...], world_size: int,
                        itemsize: int = 4) -> float:
