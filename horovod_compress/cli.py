@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 from typing import Sequence
@@ -47,9 +48,16 @@ def _list_methods(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a sub-command. A bad option value (``ValueError``) prints ``hvdc: error: ...`` and
+    exits with 2, as argparse does for its own errors; ``HVDC_DEBUG=1`` shows the traceback."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:
+        if os.environ.get("HVDC_DEBUG", "") not in ("", "0"):
+            raise
+        parser.exit(2, f"hvdc: error: {exc} (HVDC_DEBUG=1 shows the traceback)\n")
 
 
 if __name__ == "__main__":

@@ -45,3 +45,11 @@ def test_refuses_without_cupy_or_device() -> None:
     proc = _hvdc(["bench", "kernels-gpu", "--sizes", "2048"], {"NUMBA_ENABLE_CUDASIM": "0"}, timeout=120)
     assert proc.returncode != 0
     assert "needs CuPy and a CUDA device" in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("bench", ["kernels", "kernels-gpu"])
+def test_bad_option_is_a_clean_error(bench: str) -> None:
+    proc = _hvdc(["bench", bench, "--sizes", "10"], {"NUMBA_ENABLE_CUDASIM": "1"}, timeout=120)
+    assert proc.returncode == 2
+    assert "hvdc: error: --sizes must be >= 1024 each" in proc.stderr
+    assert "Traceback" not in proc.stderr
