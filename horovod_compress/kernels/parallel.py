@@ -30,14 +30,7 @@ import numpy as np
 from numba import get_num_threads, njit, prange
 
 from .exp_reduce import exp_reduce4_range, exp_reduce8_range
-from .quantize import (
-    GOLDEN,
-    exp_code,
-    exp_code_layout,
-    linear_level,
-    splitmix64,
-    word_state,
-)
+from .quantize import exp_quantize_by, exp_quantize_range, linear_quantize_by, linear_quantize_range
 from .dispatch import PARALLEL_MIN_SIZE  # noqa: F401 - re-exported; dispatch applies it
 from .selection import scan_hits
 
@@ -116,14 +109,6 @@ def count_at_least(x: np.ndarray, threshold: float) -> int:
 _CHUNK = 1 << 16  # elements per parallel task of the quantizers
 
 
-@njit(cache=True)
-def _linear_chunk(x, scale, levels, key, out, lo, hi):
-    s = word_state(key, np.uint64(lo)) - GOLDEN
-    for j in range(np.uint64(lo), np.uint64(hi)):
-        s += GOLDEN
-        out[j] = linear_level(np.float64(x[j]), scale, levels, splitmix64(s))
-
-
 @njit(cache=True, parallel=True)
 def linear_quantize_into(x, scale, levels, key, out):
     """out[i] = sign(x[i]) * xi(|x[i]| * scale * levels) (as :func:`.quantize.linear_quantize_into`)."""
@@ -131,25 +116,12 @@ def linear_quantize_into(x, scale, levels, key, out):
         scale = 0.0
     n = x.size
     for c in prange((n + _CHUNK - 1) // _CHUNK):
-        _linear_chunk(x, scale, levels, key, out, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
+        linear_quantize_range(x, scale, levels, key, out, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
 
 
 def linear_quantize(x: np.ndarray, scale: float, levels: int, key: int) -> np.ndarray:
     """int8 signed levels, identical to :func:`horovod_compress.kernels.quantize.linear_quantize`."""
-    if not 1 <= levels <= 127:
-        raise ValueError(f"levels must be in [1, 127] for int8 output, got {levels}")
-    x = np.ascontiguousarray(x).reshape(-1)
-    out = np.empty(x.size, dtype=np.int8)
-    linear_quantize_into(x, float(scale), int(levels), np.uint64(key), out)
-    return out
-
-
-@njit(cache=True)
-def _exp_chunk(x, scale, emax, sign_bit, tiny_mul, key, out, lo, hi):
-    s = word_state(key, np.uint64(lo)) - GOLDEN
-    for j in range(np.uint64(lo), np.uint64(hi)):
-        s += GOLDEN
-        out[j] = exp_code(np.float64(x[j]), scale, emax, sign_bit, tiny_mul, splitmix64(s))
+    return linear_quantize_by(linear_quantize_into, x, scale, levels, key)
 
 
 @njit(cache=True, parallel=True)
@@ -161,16 +133,13 @@ def exp_quantize_into(x, scale, emax, sign_shift, key, out):
     sign_bit = np.int64(1) << sign_shift
     n = x.size
     for c in prange((n + _CHUNK - 1) // _CHUNK):
-        _exp_chunk(x, scale, emax, sign_bit, tiny_mul, key, out, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
+        exp_quantize_range(x, scale, emax, sign_bit, tiny_mul, key, out, c * _CHUNK,
+                           min(c * _CHUNK + _CHUNK, n))
 
 
 def exp_quantize(x: np.ndarray, scale: float, bits: int, key: int) -> np.ndarray:
     """uint8 codes identical to :func:`horovod_compress.kernels.quantize.exp_quantize`."""
-    sign_shift, emax = exp_code_layout(bits)
-    x = np.ascontiguousarray(x).reshape(-1)
-    out = np.empty(x.size, dtype=np.uint8)
-    exp_quantize_into(x, float(scale), emax, sign_shift, np.uint64(key), out)
-    return out
+    return exp_quantize_by(exp_quantize_into, x, scale, bits, key)
 
 
 # ---------------------------------------------------------------- exponential reduce

@@ -51,6 +51,7 @@ linear levels are stored in two's complement within the nibble.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 from llvmlite import ir
@@ -160,19 +161,35 @@ def linear_quantize_into(x: np.ndarray, scale: float, levels: int, key: np.uint6
     """
     if not scale >= 0.0:
         scale = 0.0
-    s = word_state(key, np.uint64(0)) - GOLDEN
-    for i in range(x.size):
+    linear_quantize_range(x, scale, levels, key, out, 0, x.size)
+
+
+@njit(cache=True)
+def linear_quantize_range(x: np.ndarray, scale: float, levels: int, key: np.uint64,
+                          out: np.ndarray, lo: int, hi: int) -> None:
+    """Elements ``lo <= i < hi`` of :func:`linear_quantize_into` (``scale`` >= 0 already).
+
+    The loop of the serial kernel and of each chunk of :mod:`.parallel`'s;
+    unsigned bounds and the additive Weyl state let LLVM vectorise it.
+    """
+    s = word_state(key, np.uint64(lo)) - GOLDEN
+    for i in range(np.uint64(lo), np.uint64(hi)):
         s += GOLDEN
         out[i] = linear_level(np.float64(x[i]), scale, levels, splitmix64(s))
 
 
 def linear_quantize(x: np.ndarray, scale: float, levels: int, key: int) -> np.ndarray:
     """int8 signed levels of :func:`linear_quantize_into` (levels must be <= 127)."""
+    return linear_quantize_by(linear_quantize_into, x, scale, levels, key)
+
+
+def linear_quantize_by(into: Any, x: np.ndarray, scale: float, levels: int, key: int) -> np.ndarray:
+    """Check ``levels``, allocate the int8 output and fill it with ``into`` (serial or parallel kernel)."""
     if not 1 <= levels <= 127:
         raise ValueError(f"levels must be in [1, 127] for int8 output, got {levels}")
     x = np.ascontiguousarray(x).reshape(-1)
     out = np.empty(x.size, dtype=np.int8)
-    linear_quantize_into(x, float(scale), int(levels), np.uint64(key), out)
+    into(x, float(scale), int(levels), np.uint64(key), out)
     return out
 
 
@@ -234,20 +251,35 @@ def exp_quantize_into(x: np.ndarray, scale: float, emax: int, sign_shift: int,
     """
     if not scale >= 0.0:
         scale = 0.0
-    tiny_mul = math.ldexp(1.0, emax + 53)
-    sign_bit = np.int64(1) << sign_shift
-    s = word_state(key, np.uint64(0)) - GOLDEN
-    for i in range(x.size):
+    exp_quantize_range(x, scale, emax, np.int64(1) << sign_shift, math.ldexp(1.0, emax + 53), key,
+                       out, 0, x.size)
+
+
+@njit(cache=True)
+def exp_quantize_range(x: np.ndarray, scale: float, emax: int, sign_bit: int, tiny_mul: float,
+                       key: np.uint64, out: np.ndarray, lo: int, hi: int) -> None:
+    """Elements ``lo <= i < hi`` of :func:`exp_quantize_into` (``scale`` >= 0 already;
+    ``sign_bit`` = 1 << sign_shift, ``tiny_mul`` = 2^(emax+53), see :func:`exp_code`).
+
+    The loop of the serial kernel and of each chunk of :mod:`.parallel`'s.
+    """
+    s = word_state(key, np.uint64(lo)) - GOLDEN
+    for i in range(np.uint64(lo), np.uint64(hi)):
         s += GOLDEN
         out[i] = exp_code(np.float64(x[i]), scale, emax, sign_bit, tiny_mul, splitmix64(s))
 
 
 def exp_quantize(x: np.ndarray, scale: float, bits: int, key: int) -> np.ndarray:
     """uint8 codes (one per element, unpacked) of :func:`exp_quantize_into` for ``bits`` 8 or 4."""
+    return exp_quantize_by(exp_quantize_into, x, scale, bits, key)
+
+
+def exp_quantize_by(into: Any, x: np.ndarray, scale: float, bits: int, key: int) -> np.ndarray:
+    """Allocate the uint8 codes for ``bits`` and fill them with ``into`` (serial or parallel kernel)."""
     sign_shift, emax = exp_code_layout(bits)
     x = np.ascontiguousarray(x).reshape(-1)
     out = np.empty(x.size, dtype=np.uint8)
-    exp_quantize_into(x, float(scale), emax, sign_shift, np.uint64(key), out)
+    into(x, float(scale), emax, sign_shift, np.uint64(key), out)
     return out
 
 
