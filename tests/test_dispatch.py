@@ -65,6 +65,11 @@ def test_parallel_variant_is_chosen_for_large_inputs_with_threads(monkeypatch: p
     assert dispatch.choose("select_by_threshold", big, 0.5) == "cpu_parallel"
     assert dispatch.choose("select_by_threshold", big[:-1], 0.5) == "cpu"
     assert dispatch.choose("coo_sum", big.astype(np.int64), big) == "cpu"  # no parallel variant
+    # the Bloom query's work is n (every i < n is tested), not the size of the small filter
+    filt = np.zeros(16, np.uint8)
+    assert dispatch.choose("bloom_query_range", filt, 128, 3, np.uint64(1), dispatch.PARALLEL_MIN_SIZE) \
+        == "cpu_parallel"
+    assert dispatch.choose("bloom_query_range", filt, 128, 3, np.uint64(1), 1000) == "cpu"
     monkeypatch.setattr(dispatch, "_numba_threads", lambda: 1)
     assert dispatch.choose("select_by_threshold", big, 0.5) == "cpu"
     assert dispatch.choose("select_by_threshold", FakeDeviceArray(), 0.5) == "gpu"

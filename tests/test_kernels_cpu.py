@@ -113,3 +113,17 @@ def test_parallel_exp_reduce_is_identical() -> None:
         s1 = serial(a, b, o1, np.uint64(42), np.uint64(7))
         s2 = par(a, o2, o2, np.uint64(42), np.uint64(7))  # in place, as MPI's inout buffer
         assert s1 == s2 > 0 and np.array_equal(o1, o2)
+
+
+@pytest.mark.parametrize("n", [1, 65_535, 65_537, 300_001])
+def test_parallel_bloom_query_is_identical(n: int) -> None:
+    """Chunked multi-threaded query == serial query, across chunk boundaries (chunks of 2^16)."""
+    from horovod_compress.kernels import bloom
+    rng = np.random.default_rng(n)
+    k = max(1, n // 50)
+    idx = np.sort(rng.choice(n, k, replace=False)).astype(np.int64)
+    m, h, seed = 8 * k + 3, 3, np.uint64(99)
+    bits = bloom.bloom_insert(idx, m, h, seed)
+    serial = bloom.bloom_query_range(bits, m, h, seed, n)
+    assert np.isin(idx, serial).all()                   # no false negatives
+    assert np.array_equal(parallel.bloom_query_range(bits, m, h, seed, n), serial)

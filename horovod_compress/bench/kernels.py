@@ -429,6 +429,10 @@ def build_cases(n: int, density: float) -> list[Case]:
         "bloom_query_range", "bloom", 8 * n, lambda: bloom.bloom_query_range(filt, m_bits, h, seed, n),
         numpy_ref=lambda: np_bloom_query(filt, m_bits, h, seed, n), same=_eq_tuple,
         note="tests every i < n; input = n int64 indices"))
+    cases.append(Case(
+        "bloom_query_range [parallel]", "bloom", 8 * n,
+        lambda: parallel.bloom_query_range(filt, m_bits, h, seed, n),
+        numpy_ref=lambda: np_bloom_query(filt, m_bits, h, seed, n), same=_eq_tuple))
 
     runs = rle.runs_from_sorted_indices(sel_idx, n)
     cases.append(Case(

@@ -38,6 +38,7 @@ import numpy as np
 
 from ..compressors.params import check_choice, check_float
 from ..kernels import bloom as kb
+from ..kernels import dispatch
 from .registry import IndexCodec, IndexEncoding, register_index_codec
 from .wire import ByteReader, ContainerError, ByteWriter
 
@@ -91,7 +92,7 @@ class BloomIndex(IndexCodec):
         r = idx.size
         m, h = bloom_size(r, self.fpr)
         bits = kb.bloom_insert(idx, m, h, np.uint64(seed))
-        positives = kb.bloom_query_range(bits, m, h, np.uint64(seed), n)
+        positives = dispatch.call("bloom_query_range", bits, m, h, np.uint64(seed), n)  # parallel for large n
         slots = select_slots(self.policy, positives, m, h, seed, r)
         sources = idx if self.policy == "naive" else slots
         payload = (ByteWriter().u8(POLICIES.index(self.policy)).u8(h).varint(m)
@@ -114,7 +115,7 @@ class BloomIndex(IndexCodec):
         bits = np.frombuffer(rd.rest(), np.uint8)
         if m % 8 and bits[-1] >> (m % 8):
             raise ContainerError("bloom index section: bits set past the end of the filter")
-        positives = kb.bloom_query_range(bits, m, h, np.uint64(seed), n)
+        positives = dispatch.call("bloom_query_range", bits, m, h, np.uint64(seed), n)  # parallel for large n
         if policy == "p0":
             if positives.size != n_slots:
                 raise ContainerError(f"bloom index section: {positives.size} positives, "

@@ -98,10 +98,18 @@ def _is_positive(bits: np.ndarray, m: int, h: int, seed: np.uint64, i: int) -> b
 
 
 @njit(cache=True)
-def _positive_mask(bits: np.ndarray, m: int, h: int, seed: np.uint64, n: int) -> np.ndarray:
-    mask = np.zeros(n, np.bool_)
-    for i in range(n):
+def positive_mask_range(bits: np.ndarray, m: int, h: int, seed: np.uint64, mask: np.ndarray,
+                        lo: int, hi: int) -> None:
+    """mask[i] = whether i is a positive of the filter, for ``lo <= i < hi`` (the loop of the
+    serial query and of each chunk of :func:`horovod_compress.kernels.parallel.bloom_query_range`)."""
+    for i in range(lo, hi):
         mask[i] = _is_positive(bits, m, h, seed, i)
+
+
+@njit(cache=True)
+def _positive_mask(bits: np.ndarray, m: int, h: int, seed: np.uint64, n: int) -> np.ndarray:
+    mask = np.empty(n, np.bool_)
+    positive_mask_range(bits, m, h, seed, mask, 0, n)
     return mask
 
 

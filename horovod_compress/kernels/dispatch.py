@@ -74,6 +74,7 @@ class KernelEntry:
     cpu: str
     gpu: str | None
     cpu_parallel: str | None = None
+    work: Callable[..., int] | None = None   # elements of work for a call (default: first array's size)
     _loaded: dict[str, Callable] | None = None
 
     def implementation(self, device: str) -> Callable:
@@ -93,11 +94,13 @@ _REGISTRY: dict[str, KernelEntry] = {}
 
 
 def register_kernel(name: str, cpu: str, gpu: str | None = None, cpu_parallel: str | None = None,
-                    replace: bool = False) -> None:
+                    replace: bool = False, work: Callable[..., int] | None = None) -> None:
     """Register kernel ``name`` with ``"module:function"`` paths of its implementations.
 
     ``cpu`` is required; ``gpu`` and ``cpu_parallel`` (a multi-threaded CPU
-    variant with identical results) are optional.
+    variant with identical results) are optional. ``work(*args, **kwargs)``
+    gives the elements a call processes, which decides the parallel variant
+    (default: the size of the first array argument).
     """
     if not name or not name.isidentifier():
         raise ValueError(f"name must be a Python identifier, got {name!r}")
@@ -106,7 +109,7 @@ def register_kernel(name: str, cpu: str, gpu: str | None = None, cpu_parallel: s
     for label, path in (("cpu", cpu), ("gpu", gpu), ("cpu_parallel", cpu_parallel)):
         if (path is None and label == "cpu") or (path is not None and ":" not in path):
             raise ValueError(f"{label} must be 'module:function', got {path!r}")
-    _REGISTRY[name] = KernelEntry(name, cpu, gpu, cpu_parallel)
+    _REGISTRY[name] = KernelEntry(name, cpu, gpu, cpu_parallel, work)
 
 
 def registered() -> list[str]:
@@ -144,8 +147,12 @@ def choose(name: str, *args: Any, **kwargs: Any) -> str:
     if device == GPU:
         return GPU
     if entry.cpu_parallel is not None:
-        first = next((a for a in values if isinstance(a, np.ndarray)), None)
-        if first is not None and first.size >= PARALLEL_MIN_SIZE and _numba_threads() > 1:
+        if entry.work is not None:
+            size = int(entry.work(*args, **kwargs))
+        else:
+            first = next((a for a in values if isinstance(a, np.ndarray)), None)
+            size = 0 if first is None else first.size
+        if size >= PARALLEL_MIN_SIZE and _numba_threads() > 1:
             return PARALLEL
     return CPU
 
@@ -187,11 +194,12 @@ _BUILTIN = {
     "rows": ["gather_rows", "scatter_rows", "row_sq_norms"],
 }
 _PARALLEL = {"select_by_threshold", "count_at_least", "linear_quantize", "exp_quantize",
-             "exp_reduce8_into", "exp_reduce4_into"}
+             "exp_reduce8_into", "exp_reduce4_into", "bloom_query_range"}
+_WORK = {"bloom_query_range": lambda bits, m, h, seed, n: n}   # tests every i < n, whatever the filter size
 for _module, _names in _BUILTIN.items():
     for _name in _names:
         register_kernel(_name, f"{_PKG}.{_module}:{_name}", f"{_PKG}.gpu.{_module}:{_name}",
-                        f"{_PKG}.parallel:{_name}" if _name in _PARALLEL else None)
+                        f"{_PKG}.parallel:{_name}" if _name in _PARALLEL else None, work=_WORK.get(_name))
 del _module, _names, _name
 
 __all__ = ["CPU", "GPU", "PARALLEL", "PARALLEL_MIN_SIZE", "KernelEntry", "call", "choose", "device_of", "get_array_module", "has_gpu",

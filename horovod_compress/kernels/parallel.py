@@ -29,6 +29,7 @@ import math
 import numpy as np
 from numba import get_num_threads, njit, prange
 
+from .bloom import positive_mask_range
 from .exp_reduce import exp_reduce4_range, exp_reduce8_range
 from .quantize import exp_quantize_by, exp_quantize_range, linear_quantize_by, linear_quantize_range
 from .dispatch import PARALLEL_MIN_SIZE  # noqa: F401 - re-exported; dispatch applies it
@@ -163,6 +164,20 @@ def exp_reduce4_into(a, b, out, key, counter):
     return sat
 
 
-__all__ = ["PARALLEL_MIN_SIZE", "count_at_least", "exp_quantize", "exp_quantize_into",
+# ---------------------------------------------------------------------- Bloom query
+@njit(cache=True, parallel=True)
+def _positive_mask(bits, m, h, seed, n):
+    mask = np.empty(n, np.bool_)
+    for c in prange((n + _CHUNK - 1) // _CHUNK):
+        positive_mask_range(bits, m, h, seed, mask, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
+    return mask
+
+
+def bloom_query_range(bits: np.ndarray, m: int, h: int, seed: np.uint64, n: int) -> np.ndarray:
+    """All positives in ``[0, n)``, identical to :func:`horovod_compress.kernels.bloom.bloom_query_range`."""
+    return np.flatnonzero(_positive_mask(bits, m, h, seed, n)).astype(np.int64)
+
+
+__all__ = ["PARALLEL_MIN_SIZE", "bloom_query_range", "count_at_least", "exp_quantize", "exp_quantize_into",
            "exp_reduce4_into", "exp_reduce8_into", "linear_quantize", "linear_quantize_into",
            "select_by_threshold"]
