@@ -13,8 +13,13 @@ import numpy as np
 import pytest
 
 import horovod_compress as hvdc
-from horovod_compress.kernels.rows import (gather_rows, matrix_shape, row_sq_norms,
-                                           scatter_rows, top_rows)
+from horovod_compress.kernels.rows import (
+    gather_rows,
+    matrix_shape,
+    row_sq_norms,
+    scatter_rows,
+    top_rows,
+)
 from horovod_compress.testing import run_cases
 
 CASES = Path(__file__).parent / "cases" / "arc_cases.py"

@@ -1,9 +1,8 @@
 """Foundation on real MPI ranks (mpirun -np 2 and -np 4): Communicator, first methods, optimizer."""
 import pytest
+from conftest import CASES
 
 from horovod_compress.testing import run_cases
-
-from conftest import CASES
 
 FILE = CASES / "foundation_cases.py"
 ALL = ["case_communicator_bytes", "case_none_bit_exact", "case_methods_vs_dense_reference",

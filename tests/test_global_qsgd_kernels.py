@@ -11,10 +11,19 @@ import pytest
 import horovod_compress as hvdc
 from horovod_compress.compressors.global_qsgd import exp_shift, linear_levels
 from horovod_compress.kernels.exp_reduce import exp_reduce_codes, exp_reduce_packed
-from horovod_compress.kernels.quantize import (exp_dequantize, exp_quantize, linear_dequantize,
-                                               linear_quantize, nibble_add_into, pack_biased_lanes,
-                                               pack_nibbles, random_uniforms, random_words,
-                                               unpack_biased_lanes, unpack_nibbles)
+from horovod_compress.kernels.quantize import (
+    exp_dequantize,
+    exp_quantize,
+    linear_dequantize,
+    linear_quantize,
+    nibble_add_into,
+    pack_biased_lanes,
+    pack_nibbles,
+    random_uniforms,
+    random_words,
+    unpack_biased_lanes,
+    unpack_nibbles,
+)
 
 
 def _breakpoint_words() -> tuple[np.ndarray, np.ndarray]:

@@ -12,8 +12,12 @@ import numpy as np
 import pytest
 
 import horovod_compress as hvdc
-from horovod_compress.compressors.greedylore import (GreedyLore, left_singular_vectors,
-                                                     probe_values, working_matrix)
+from horovod_compress.compressors.greedylore import (
+    GreedyLore,
+    left_singular_vectors,
+    probe_values,
+    working_matrix,
+)
 from horovod_compress.compressors.lowrank_common import should_compress, top_indices
 from horovod_compress.testing import run_cases
 

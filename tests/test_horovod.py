@@ -6,10 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import CASES
 
 from horovod_compress.testing import mpi_env
-
-from conftest import CASES
 
 try:
     import horovod.torch  # noqa: F401

@@ -6,10 +6,10 @@ import pytest
 pytest.importorskip("tensorflow")
 pytest.importorskip("keras")
 
+from conftest import CASES  # noqa: E402
+
 import horovod_compress as hvdc  # noqa: E402
 from horovod_compress.testing import run_cases  # noqa: E402
-
-from conftest import CASES  # noqa: E402
 
 FILE = CASES / "keras_cases.py"
 KERAS = ["case_callbacks", "case_warmup_epochs", "case_checkpoint_roundtrip",

@@ -15,7 +15,14 @@ import numpy as np
 import pytest
 
 from horovod_compress.bench import kernels as refs
-from horovod_compress.kernels import bloom, exp_reduce, parallel, quantize, rle, selection
+from horovod_compress.kernels import (
+    bloom,
+    exp_reduce,
+    parallel,
+    quantize,
+    rle,
+    selection,
+)
 
 
 def _grad(n: int, seed: int, dtype=np.float32) -> np.ndarray:

@@ -13,9 +13,14 @@ from scipy.special import ndtri
 
 import horovod_compress as hvdc
 from horovod_compress.compressors.gaussiank import adjusted_threshold
-from horovod_compress.kernels.selection import (coo_sum, count_at_least, gaussian_threshold,
-                                                kth_largest_abs, select_by_threshold,
-                                                topk_of_coo)
+from horovod_compress.kernels.selection import (
+    coo_sum,
+    count_at_least,
+    gaussian_threshold,
+    kth_largest_abs,
+    select_by_threshold,
+    topk_of_coo,
+)
 
 FLOATS = st.sampled_from([np.float32, np.float64])
 
@@ -110,7 +115,10 @@ def test_adjusted_threshold_matches_the_reference_loop_including_its_cap():
 
 # ------------------------------------------------------------ pure helpers
 def test_local_region_boundaries_split_the_local_topk_evenly():
-    from horovod_compress.mpi_collectives.oktopk import local_region_boundaries, region_cuts
+    from horovod_compress.mpi_collectives.oktopk import (
+        local_region_boundaries,
+        region_cuts,
+    )
 
     idx = np.array([3, 10, 11, 40, 41, 42, 90, 95])
     b = local_region_boundaries(idx, 100, 4)
@@ -135,10 +143,15 @@ def test_rotation_schedule_has_no_hot_spot_and_matching_buckets(p, bucket):
 
 
 def test_schedules():
-    from horovod_compress.mpi_collectives.oktopk import (OkTopkSchedule, balanced_shares,
-                                                         repartition_due)
+    from horovod_compress.mpi_collectives.oktopk import (
+        OkTopkSchedule,
+        balanced_shares,
+        repartition_due,
+    )
     from horovod_compress.mpi_collectives.sparse_allreduce_baselines import (
-        gtopk_tree_schedule, uniform_boundaries)
+        gtopk_tree_schedule,
+        uniform_boundaries,
+    )
 
     due = [s for s in range(1, 200) if repartition_due(s, OkTopkSchedule())]
     assert due == [1, 2, 3, 5, 9, 17, 33, 65, 129, 193]

@@ -38,7 +38,10 @@ def test_available_lists_foundation_methods():
 
 
 def test_bf16_conversion_rounds_to_nearest_even():
-    from horovod_compress.kernels.halfprec import bf16_bits_to_float32, float32_to_bf16_bits
+    from horovod_compress.kernels.halfprec import (
+        bf16_bits_to_float32,
+        float32_to_bf16_bits,
+    )
     x = np.array([1.0, 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -2.5, 0.0, np.inf, np.nan], np.float32)
     back = bf16_bits_to_float32(float32_to_bf16_bits(x))
     assert back[0] == 1.0 and back[1] == 1.0  # tie -> even

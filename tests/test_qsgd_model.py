@@ -8,8 +8,13 @@ import sys
 
 import pytest
 
-from horovod_compress.bench.qsgd_model import (bandwidth_threshold, dense_allreduce_time,
-                                               evaluate, gqsgd_allreduce_time, measured_speeds)
+from horovod_compress.bench.qsgd_model import (
+    bandwidth_threshold,
+    dense_allreduce_time,
+    evaluate,
+    gqsgd_allreduce_time,
+    measured_speeds,
+)
 from horovod_compress.testing import mpi_env
 
 

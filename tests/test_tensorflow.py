@@ -5,10 +5,10 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
+from conftest import CASES  # noqa: E402
+
 import horovod_compress as hvdc  # noqa: E402
 from horovod_compress.testing import run_cases  # noqa: E402
-
-from conftest import CASES  # noqa: E402
 
 FILE = CASES / "tf_cases.py"
 ALL = ["case_tape_none_exact", "case_tape_dtypes_none_indexed_slices",

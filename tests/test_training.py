@@ -1,9 +1,8 @@
 """Convergence on real data: each foundation method within 2 points of dense, 4 ranks."""
 import pytest
+from conftest import CASES
 
 from horovod_compress.testing import run_cases
-
-from conftest import CASES
 
 METHODS = ["fp16", "bf16", "topk", "randk"]
 

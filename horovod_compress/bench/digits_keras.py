@@ -87,8 +87,12 @@ def train_digits_keras(compression: Any = None, comm: Any = None, *, epochs: int
     import keras
 
     from ..compressors.registry import create
-    from ..keras import (BroadcastGlobalVariablesCallback, CompressionStatsCallback,
-                         DistributedOptimizer, MetricAverageCallback)
+    from ..keras import (
+        BroadcastGlobalVariablesCallback,
+        CompressionStatsCallback,
+        DistributedOptimizer,
+        MetricAverageCallback,
+    )
     from ..mpi_collectives import Communicator
     from ..runtime.buckets import DEFAULT_BUCKET_BYTES
 

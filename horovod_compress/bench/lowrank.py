@@ -225,7 +225,11 @@ def words_table(shapes: dict[str, tuple[int, ...]], ranks: list[int],
     m * probes + k n, lazy projection k n, PowerSGD k (m + n); SVD steps m n;
     every other tensor its size. ``*_tau200`` average over the paper's period.
     """
-    from ..compressors.lowrank_common import effective_rank, matrix_shape, should_compress
+    from ..compressors.lowrank_common import (
+        effective_rank,
+        matrix_shape,
+        should_compress,
+    )
     dense = sum(int(np.prod(s)) for s in shapes.values())
     out: dict[str, Any] = {"dense": dense}
     for r in ranks:
@@ -267,8 +271,11 @@ def time_compute(grads: dict[str, np.ndarray], ranks: list[int], steps: int,
     from threadpoolctl import threadpool_limits
 
     from ..compressors.greedylore import working_matrix
-    from ..compressors.lowrank_common import (compressed_matrix, effective_rank,
-                                              orthogonalize)
+    from ..compressors.lowrank_common import (
+        compressed_matrix,
+        effective_rank,
+        orthogonalize,
+    )
     from ..compressors.registry import create
     from ..mpi_collectives import Communicator
     comm = Communicator(MPI.COMM_SELF)

@@ -65,8 +65,14 @@ def _variant_kernels(name: str, x: np.ndarray, world_size: int) -> dict[str, Cal
     from mpi4py import MPI
 
     from ..compressors.global_qsgd import exp_shift, linear_levels
-    from ..kernels.quantize import (exp_dequantize, exp_quantize, linear_dequantize,
-                                    linear_quantize, pack_nibbles, unpack_nibbles)
+    from ..kernels.quantize import (
+        exp_dequantize,
+        exp_quantize,
+        linear_dequantize,
+        linear_quantize,
+        pack_nibbles,
+        unpack_nibbles,
+    )
     from ..mpi_collectives.reduce_ops import exp_sum_op, nibble_sum_op, reduce_stream
     n = x.size
     bits = VARIANTS[name]["bits"]

@@ -11,11 +11,25 @@ policies naive/p0/p1/p2 (:mod:`.index_bloom`). Value codecs: ``raw``
 (:mod:`.value_raw`), ``deflate`` (:mod:`.value_deflate`), ``qsgd``
 (:mod:`.value_qsgd`), ``polyfit`` and ``dexp`` (:mod:`.value_curvefit`).
 """
-from . import index_bitmap, index_bloom, index_huffman, index_raw  # noqa: F401  (registration)
-from . import value_curvefit, value_deflate, value_qsgd, value_raw  # noqa: F401
+from . import (  # noqa: F401  (registration)  # noqa: F401
+                       index_bitmap,
+                       index_bloom,
+                       index_huffman,
+                       index_raw,
+                       value_curvefit,
+                       value_deflate,
+                       value_qsgd,
+                       value_raw,
+)
 from .container import Encoded, SparseTensor, decode, encode
-from .registry import (IndexCodec, ValueCodec, index_codecs, make_index_codec, make_value_codec,
-                       value_codecs)
+from .registry import (
+                       IndexCodec,
+                       ValueCodec,
+                       index_codecs,
+                       make_index_codec,
+                       make_value_codec,
+                       value_codecs,
+)
 from .wire import ContainerError
 
 __all__ = ["ContainerError", "Encoded", "IndexCodec", "SparseTensor", "ValueCodec", "decode",

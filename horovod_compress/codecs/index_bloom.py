@@ -40,7 +40,7 @@ from ..compressors.params import check_choice, check_float
 from ..kernels import bloom as kb
 from ..kernels import dispatch
 from .registry import IndexCodec, IndexEncoding, register_index_codec
-from .wire import ByteReader, ContainerError, ByteWriter
+from .wire import ByteReader, ByteWriter, ContainerError
 
 POLICIES = ("naive", "p0", "p1", "p2")
 MAX_HASHES = 64

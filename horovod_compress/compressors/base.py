@@ -27,7 +27,14 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..feedback import Feedback, make_feedback
-from ..kernels.arrays import as_module_array, get_array_module, is_cupy, is_gpu_array, to_device_like, to_host
+from ..kernels.arrays import (
+    as_module_array,
+    get_array_module,
+    is_cupy,
+    is_gpu_array,
+    to_device_like,
+    to_host,
+)
 from .params import check_int
 
 

@@ -26,8 +26,12 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels.selection import (count_at_least, gaussian_threshold, kth_largest_abs,
-                                 select_by_threshold)
+from ..kernels.selection import (
+    count_at_least,
+    gaussian_threshold,
+    kth_largest_abs,
+    select_by_threshold,
+)
 from .base import Method, TensorState
 from .registry import register
 from .sparse_common import check_density, k_from_density

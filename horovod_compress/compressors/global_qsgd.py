@@ -71,8 +71,16 @@ import numpy as np
 
 from ..kernels import dispatch
 from ..kernels.arrays import as_module_array, get_array_module, to_host
-from ..kernels.quantize import (abs_max, exp_code_layout, exp_dequantize, linear_dequantize,
-                                linear_quantize, pack_nibbles, sum_squares, unpack_nibbles)
+from ..kernels.quantize import (
+    abs_max,
+    exp_code_layout,
+    exp_dequantize,
+    linear_dequantize,
+    linear_quantize,
+    pack_nibbles,
+    sum_squares,
+    unpack_nibbles,
+)
 from .base import Method, TensorState
 from .params import check_choice, check_int
 from .registry import register
@@ -292,7 +300,11 @@ class GlobalQSGD(Method):
         codes (1 byte or half a byte per element, a quarter or an eighth of
         the gradient) are copied to the host for the reduction and back.
         """
-        from ..mpi_collectives.reduce_ops import allreduce_reduce_once, exp_sum_op, reduce_stream
+        from ..mpi_collectives.reduce_ops import (
+            allreduce_reduce_once,
+            exp_sum_op,
+            reduce_stream,
+        )
         payload = codes if self.bits == 8 else dispatch.call("pack_nibbles", codes)
         with reduce_stream(int(rkey)) as stream, comm.phase("global_qsgd.payload"):
             total = allreduce_reduce_once(comm, to_host(payload), exp_sum_op(self.bits))

@@ -48,7 +48,6 @@ from typing import Any
 import numpy as np
 
 from ..kernels.arrays import as_module_array, get_array_module
-
 from .base import Method, TensorState
 from .params import check_float, check_int
 from .registry import register

@@ -48,9 +48,17 @@ from typing import Any
 import numpy as np
 
 from .base import Method, TensorState
-from .lowrank_common import (check_bool, check_min_rate, check_rank, compressed_matrix,
-                             dense_bytes, effective_rank, matrix_shape, orthogonalize,
-                             should_compress)
+from .lowrank_common import (
+    check_bool,
+    check_min_rate,
+    check_rank,
+    compressed_matrix,
+    dense_bytes,
+    effective_rank,
+    matrix_shape,
+    orthogonalize,
+    should_compress,
+)
 from .params import check_choice, check_float
 from .registry import register
 

@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from ..kernels.arrays import as_module_array, get_array_module
-
 from .base import Method, TensorState
 from .registry import register
 from .sparse_common import check_density, k_from_density

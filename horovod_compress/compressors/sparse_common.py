@@ -11,7 +11,6 @@ from typing import Any
 import numpy as np
 
 from ..kernels.arrays import get_array_module
-
 from .base import Method
 from .params import check_float
 

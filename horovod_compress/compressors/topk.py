@@ -17,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from ..kernels.arrays import get_array_module
-
 from .base import TensorState
 from .registry import register
 from .sparse_common import (

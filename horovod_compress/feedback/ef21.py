@@ -44,9 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels.arrays import get_array_module
-
 from ..compressors.params import check_float
+from ..kernels.arrays import get_array_module
 from .base import Feedback, register_feedback
 
 

@@ -19,7 +19,6 @@ from typing import Any
 import numpy as np
 
 from ..kernels.arrays import get_array_module
-
 from .base import Feedback, register_feedback
 
 

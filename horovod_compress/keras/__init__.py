@@ -17,8 +17,12 @@ from ..compressors import Compression
 from ..tensorflow.broadcast import broadcast_object, broadcast_variables
 from ..tensorflow.reducer import Average, Sum
 from ..tensorflow.world import communicator, init, local_rank, rank, size
-from .callbacks import (BroadcastGlobalVariablesCallback, CompressionStatsCallback,
-                        CompressionWarmupCallback, MetricAverageCallback)
+from .callbacks import (
+    BroadcastGlobalVariablesCallback,
+    CompressionStatsCallback,
+    CompressionWarmupCallback,
+    MetricAverageCallback,
+)
 from .checkpoint import CompressionState
 from .optimizer import DistributedOptimizer, reducer_of
 

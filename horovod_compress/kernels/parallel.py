@@ -30,9 +30,14 @@ import numpy as np
 from numba import get_num_threads, njit, prange
 
 from .bloom import positive_mask_range
-from .exp_reduce import exp_reduce4_range, exp_reduce8_range
-from .quantize import exp_quantize_by, exp_quantize_range, linear_quantize_by, linear_quantize_range
 from .dispatch import PARALLEL_MIN_SIZE  # noqa: F401 - re-exported; dispatch applies it
+from .exp_reduce import exp_reduce4_range, exp_reduce8_range
+from .quantize import (
+    exp_quantize_by,
+    exp_quantize_range,
+    linear_quantize_by,
+    linear_quantize_range,
+)
 from .selection import scan_hits
 
 

@@ -71,8 +71,16 @@ from ..kernels import dispatch
 from ..kernels.arrays import get_array_module, to_host
 from ..kernels.selection import coo_sum, kth_largest_abs, select_by_threshold
 from .communicator import Request
-from .coo_messages import (allgatherv_entries, as_bytes, check_index_range, exchange_counts,
-                           from_bytes, gather_counts, make_entries, split)
+from .coo_messages import (
+    allgatherv_entries,
+    as_bytes,
+    check_index_range,
+    exchange_counts,
+    from_bytes,
+    gather_counts,
+    make_entries,
+    split,
+)
 
 TAG_SPLIT = 7301
 TAG_BALANCE = 7302

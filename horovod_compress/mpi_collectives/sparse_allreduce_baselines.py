@@ -27,8 +27,15 @@ from typing import Any
 import numpy as np
 
 from ..kernels.selection import coo_sum, topk_of_coo
-from .coo_messages import (allgatherv_entries, as_bytes, entry_dtype, from_bytes, gather_counts,
-                           make_entries, split)
+from .coo_messages import (
+    allgatherv_entries,
+    as_bytes,
+    entry_dtype,
+    from_bytes,
+    gather_counts,
+    make_entries,
+    split,
+)
 
 TAG_GTOPK = 7311
 

@@ -19,7 +19,6 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..kernels.arrays import as_module_array, get_array_module, is_gpu_array
-
 from .buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorSpec, plan_buckets
 from .consistency import check_same_tensors
 

@@ -55,11 +55,16 @@ import tensorflow as tf
 from ..compressors.base import Method
 from ..runtime.buckets import DEFAULT_BUCKET_BYTES, TensorSpec
 from ..runtime.engine import GradientExchange
+from ..runtime.ops import Average, Sum, op_name  # noqa: E402  (re-exported)
 from . import world
 from .bridge import numpy_call
-from .tensors import (check_float_dtype, numpy_dtype_name, to_wire, unique_names, wire_dtype)
-
-from ..runtime.ops import Average, Sum, op_name  # noqa: E402  (re-exported)
+from .tensors import (
+    check_float_dtype,
+    numpy_dtype_name,
+    to_wire,
+    unique_names,
+    wire_dtype,
+)
 
 
 @dataclass

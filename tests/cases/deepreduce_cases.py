@@ -11,7 +11,11 @@ import numpy as np
 
 import horovod_compress as hvdc
 from horovod_compress import codecs
-from horovod_compress.compressors.sparse_common import k_from_density, scatter_sum, topk_indices
+from horovod_compress.compressors.sparse_common import (
+    k_from_density,
+    scatter_sum,
+    topk_indices,
+)
 
 N = 3000
 

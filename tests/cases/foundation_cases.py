@@ -144,6 +144,7 @@ def case_residual_feedback_keeps_everything(comm):
 def case_optimizer_identical_params(comm):
     """Through the torch DistributedOptimizer every rank ends each step with identical params."""
     import torch
+
     from horovod_compress.torch import DistributedOptimizer, broadcast_parameters
     torch.manual_seed(comm.rank)  # different init on purpose: broadcast must fix it
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
@@ -170,6 +171,7 @@ def case_optimizer_identical_params(comm):
 def case_optimizer_none_matches_plain_allreduce(comm):
     """Dense SGD through the optimizer == SGD on gradients averaged by one plain MPI allreduce."""
     import torch
+
     from horovod_compress.torch import DistributedOptimizer
     torch.manual_seed(0)
     model = torch.nn.Linear(7, 4)
@@ -197,6 +199,7 @@ def case_optimizer_none_matches_plain_allreduce(comm):
 def case_unused_parameter_and_accumulation(comm):
     """A parameter with no gradient is averaged as zeros (Horovod's rule); passes accumulate."""
     import torch
+
     from horovod_compress.torch import DistributedOptimizer
     torch.manual_seed(0)
     used, unused = torch.nn.Linear(3, 2), torch.nn.Linear(3, 2)
@@ -222,6 +225,7 @@ def case_state_dict_roundtrip(comm):
     import io
 
     import torch
+
     from horovod_compress.torch import DistributedOptimizer
     torch.manual_seed(0)
     model = torch.nn.Linear(20, 10)
@@ -261,6 +265,7 @@ def case_state_dict_roundtrip(comm):
 def case_mismatch_raises_everywhere(comm):
     """Different models on different ranks: a ValueError naming the tensor on every rank, no hang."""
     import torch
+
     from horovod_compress.torch import DistributedOptimizer
     width = 4 if comm.rank == 0 else 5
     model = torch.nn.Sequential(torch.nn.Linear(3, width), torch.nn.Linear(width, 2))
@@ -276,6 +281,7 @@ def case_mismatch_raises_everywhere(comm):
 def case_overlap_bucketed(comm):
     """Small buckets + overlap give the same result as one bucket without overlap."""
     import torch
+
     from horovod_compress.torch import DistributedOptimizer
     out = []
     for overlap, bucket in ((False, 1 << 30), (True, 256)):

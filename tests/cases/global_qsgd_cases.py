@@ -14,8 +14,11 @@ import numpy as np
 
 import horovod_compress as hvdc
 from horovod_compress.kernels.exp_reduce import exp_reduce_packed
-from horovod_compress.mpi_collectives.reduce_ops import (allreduce_reduce_once, exp_sum_op,
-                                                         reduce_stream)
+from horovod_compress.mpi_collectives.reduce_ops import (
+    allreduce_reduce_once,
+    exp_sum_op,
+    reduce_stream,
+)
 
 D = 2048      # elements per gradient in the statistical cases
 T = 200       # independent seeds averaged in the unbiasedness / variance cases

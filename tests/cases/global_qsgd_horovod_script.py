@@ -6,9 +6,9 @@ import json
 import sys
 import warnings
 
+import horovod.torch as hvd
 import numpy as np
 import torch
-import horovod.torch as hvd
 
 import horovod_compress as hvdc
 import horovod_compress.torch as hvdc_torch

@@ -10,12 +10,17 @@ import tensorflow as tf
 tf.config.threading.set_inter_op_parallelism_threads(1)  # 4 ranks share 2 cores in the tests
 tf.config.threading.set_intra_op_parallelism_threads(1)
 
-import keras  # noqa: E402
 import sys  # noqa: E402
 
+import keras  # noqa: E402
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from tf_cases import (case_broadcast_variables, case_stateful_eager_equals_graph,  # noqa: E402,F401
-                      case_tape_dtypes_none_indexed_slices, case_tape_none_exact)
+from tf_cases import (  # noqa: E402,F401
+    case_broadcast_variables,
+    case_stateful_eager_equals_graph,
+    case_tape_dtypes_none_indexed_slices,
+    case_tape_none_exact,
+)
 
 import horovod_compress as hvdc  # noqa: E402
 import horovod_compress.keras as hvdc_keras  # noqa: E402

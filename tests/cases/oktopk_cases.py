@@ -10,11 +10,14 @@ import numpy as np
 
 import horovod_compress as hvdc
 from horovod_compress.mpi_collectives.coo_messages import entry_dtype
-from horovod_compress.mpi_collectives.oktopk import (agree_boundaries, balance_and_allgatherv,
-                                                     balanced_shares,
-                                                     distributed_kth_largest_abs,
-                                                     local_region_boundaries,
-                                                     split_and_reduce)
+from horovod_compress.mpi_collectives.oktopk import (
+    agree_boundaries,
+    balance_and_allgatherv,
+    balanced_shares,
+    distributed_kth_largest_abs,
+    local_region_boundaries,
+    split_and_reduce,
+)
 
 
 # ----------------------------------------------------------------- helpers

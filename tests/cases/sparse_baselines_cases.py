@@ -11,8 +11,10 @@ from scipy.stats import norm
 
 import horovod_compress as hvdc
 from horovod_compress.compressors.gaussiank import adjusted_threshold
-from horovod_compress.mpi_collectives.sparse_allreduce_baselines import (gtopk_tree_schedule,
-                                                                         uniform_boundaries)
+from horovod_compress.mpi_collectives.sparse_allreduce_baselines import (
+    gtopk_tree_schedule,
+    uniform_boundaries,
+)
 
 ENTRY = 8  # bytes of one (int32 index, float32 value) entry
 

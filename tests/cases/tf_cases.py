@@ -382,6 +382,7 @@ def _cross_grads(rank, step):
 
 def _torch_run(name, comm):
     import torch
+
     from horovod_compress.torch import DistributedOptimizer
     params = [(n, torch.nn.Parameter(torch.zeros(shape))) for n, shape in CROSS_SHAPES]
     opt = DistributedOptimizer(torch.optim.SGD([p for _, p in params], lr=0.0),

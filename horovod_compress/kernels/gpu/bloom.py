@@ -22,7 +22,15 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from ._common import TPB, blocks_for, Compactor, empty, flat, guard_simulator_globals, zeros
+from ._common import (
+    TPB,
+    Compactor,
+    blocks_for,
+    empty,
+    flat,
+    guard_simulator_globals,
+    zeros,
+)
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)

@@ -16,8 +16,16 @@ from typing import Any
 import numpy as np
 from numba import cuda, int64
 
-from ._common import (TPB, block_sum, blocks_for, empty, flat, guard_simulator_globals, to_host,
-                      zeros)
+from ._common import (
+    TPB,
+    block_sum,
+    blocks_for,
+    empty,
+    flat,
+    guard_simulator_globals,
+    to_host,
+    zeros,
+)
 from .rng import random_word
 
 

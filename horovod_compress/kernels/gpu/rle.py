@@ -25,8 +25,18 @@ import numpy as np
 from numba import cuda
 
 from ..rle import INVALID, OK, OVERFLOW, TRUNCATED
-from ._common import (TPB, blocks_for, Compactor, empty, exclusive_scan, flat,
-                      guard_simulator_globals, to_device, to_host, zeros)
+from ._common import (
+    TPB,
+    Compactor,
+    blocks_for,
+    empty,
+    exclusive_scan,
+    flat,
+    guard_simulator_globals,
+    to_device,
+    to_host,
+    zeros,
+)
 
 
 # --------------------------------------------------------------- encoding runs

@@ -18,8 +18,16 @@ from typing import Any
 import numpy as np
 from numba import cuda
 
-from ._common import (TPB, block_sum, blocks_for, empty, fill, flat, guard_simulator_globals,
-                      is_device_array)
+from ._common import (
+    TPB,
+    block_sum,
+    blocks_for,
+    empty,
+    fill,
+    flat,
+    guard_simulator_globals,
+    is_device_array,
+)
 
 
 def _matrix(mat: Any, name: str) -> Any:

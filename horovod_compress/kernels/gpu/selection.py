@@ -30,9 +30,24 @@ from typing import Any
 import numpy as np
 from numba import cuda, int64
 
-from ._common import (TPB, block_sum, blocks_for, cast, Compactor, dtype_of, empty, exclusive_scan,
-                      fill, flat, gather, guard_simulator_globals, int_min_max, to_device, to_host,
-                      zeros)
+from ._common import (
+    TPB,
+    Compactor,
+    block_sum,
+    blocks_for,
+    cast,
+    dtype_of,
+    empty,
+    exclusive_scan,
+    fill,
+    flat,
+    gather,
+    guard_simulator_globals,
+    int_min_max,
+    to_device,
+    to_host,
+    zeros,
+)
 
 
 # ------------------------------------------------------------ threshold select
