@@ -41,14 +41,20 @@ KEY = 0x5EED5EED12345678
 def register_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("kernels", help="kernel speed vs memcpy and vs the library calls they replace",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_kernel_bench_options(p, repeat=5, out="benchmarks/kernels.md")
+    p.set_defaults(func=run)
+
+
+def add_kernel_bench_options(p: argparse.ArgumentParser, repeat: int, out: str) -> None:
+    """The options of ``hvdc bench kernels`` and ``kernels-gpu`` (checked by :func:`checked_args`)."""
     p.add_argument("--sizes", default="1000000,25000000",
                    help="comma-separated element counts (default 1000000,25000000)")
-    p.add_argument("--repeat", type=int, default=5, help="timed calls per measurement, best taken (default 5)")
+    p.add_argument("--repeat", type=int, default=repeat,
+                   help=f"timed calls per measurement, best taken (default {repeat})")
     p.add_argument("--density", type=float, default=0.01, help="selection density (default 0.01)")
     p.add_argument("--only", default="", help="comma-separated kernel names to run (default: all)")
-    p.add_argument("--out", default="benchmarks/kernels.md", help="markdown output (json/png beside it)")
+    p.add_argument("--out", default=out, help="markdown output; its json (and plot) go beside it")
     p.add_argument("--note", default="", help="a line about the machine, written into the report")
-    p.set_defaults(func=run)
 
 
 # ------------------------------------------------------------- NumPy references

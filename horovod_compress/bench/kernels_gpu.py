@@ -33,19 +33,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .kernels import KEY, _fmt_ratio, _machine, checked_args
+from .kernels import KEY, _fmt_ratio, _machine, add_kernel_bench_options, checked_args
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("kernels-gpu", help="GPU kernel speed vs device memcpy, the CPU kernel and library calls",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", default="1000000,25000000",
-                   help="comma-separated element counts (default 1000000,25000000)")
-    p.add_argument("--repeat", type=int, default=10, help="timed calls per measurement, best taken (default 10)")
-    p.add_argument("--density", type=float, default=0.01, help="selection density (default 0.01)")
-    p.add_argument("--only", default="", help="comma-separated kernel names to run (default: all)")
-    p.add_argument("--out", default="benchmarks/kernels_gpu.md", help="markdown output (json beside it)")
-    p.add_argument("--note", default="", help="a line about the machine, written into the report")
+    add_kernel_bench_options(p, repeat=10, out="benchmarks/kernels_gpu.md")
     p.set_defaults(func=run)
 
 
