@@ -75,9 +75,13 @@ class _RowMethod(Method):
         """``(avg, local)`` as m x n matrices for the m x n view ``g`` of a tensor, keeping K = ``k`` rows."""
         raise NotImplementedError(f"{type(self).__name__} must implement _reduce_rows")
 
-    @staticmethod
-    def _dense_bytes(shape: tuple[int, ...], world_size: int, itemsize: int) -> float:
-        return 2.0 * int(np.prod(shape, dtype=np.int64)) * itemsize * (world_size - 1) / world_size
+    def expected_bytes(self, shape: tuple[int, ...], world_size: int,
+                       itemsize: int = 4) -> float:
+        """The rows' volume (:meth:`_row_bytes`), or a dense ring allreduce 2 N (P-1)/P when sent dense."""
+        view = self.view(tuple(shape))
+        if view is None:
+            return 2.0 * int(np.prod(shape, dtype=np.int64)) * itemsize * (world_size - 1) / world_size
+        return self._row_bytes(*view, world_size, itemsize)   # each subclass defines its formula
 
 
 @register
@@ -99,12 +103,9 @@ class RandKRows(_RowMethod):
         return (dispatch.call("scatter_rows", avg_rows, rows, m),
                 dispatch.call("scatter_rows", own, rows, m))
 
-    def expected_bytes(self, shape: tuple[int, ...], world_size: int,
-                       itemsize: int = 4) -> float:
-        view = self.view(shape)
-        if view is None:
-            return self._dense_bytes(shape, world_size, itemsize)
-        m, n, k = view
+    @staticmethod
+    def _row_bytes(m: int, n: int, k: int, world_size: int, itemsize: int) -> float:
+        """One ring allreduce of the K x n rows: 2 K n (P-1)/P words."""
         return 2.0 * k * n * itemsize * (world_size - 1) / world_size
 
 
@@ -136,12 +137,9 @@ class TopKRows(_RowMethod):
         avg = (total / comm.size).astype(g.dtype)
         return avg, dispatch.call("scatter_rows", xp.ascontiguousarray(msg[k:]).reshape(k, n), rows, m)
 
-    def expected_bytes(self, shape: tuple[int, ...], world_size: int,
-                       itemsize: int = 4) -> float:
-        view = self.view(shape)
-        if view is None:
-            return self._dense_bytes(shape, world_size, itemsize)
-        m, n, k = view
+    @staticmethod
+    def _row_bytes(m: int, n: int, k: int, world_size: int, itemsize: int) -> float:
+        """An allgather of (K indices, K x n rows): (K n + K)(P-1) words."""
         return float((k * n + k) * itemsize * (world_size - 1))
 
 

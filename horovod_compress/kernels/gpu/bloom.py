@@ -31,26 +31,15 @@ from ._common import (
     guard_simulator_globals,
     zeros,
 )
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-
-
-@cuda.jit(device=True)
-def mix64(z):
-    """SplitMix64 finaliser."""
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
+from .rng import GOLDEN, splitmix64
 
 
 @cuda.jit(device=True)
 def _first_probe(i, m, seed):
     """(a mod m, b mod m) of index ``i``: its first probe and the probe step (int64)."""
     mm = np.uint64(m)
-    a = mix64(np.uint64(i) ^ seed)
-    b = mix64(a ^ _GOLDEN)
+    a = splitmix64(np.uint64(i) ^ seed)
+    b = splitmix64(a ^ GOLDEN)
     return np.int64(a % mm), np.int64(b % mm)
 
 
@@ -136,7 +125,7 @@ def bloom_query_range(bits: Any, m: int, h: int, seed: int, n: int) -> Any:
     return _POSITIVES.indices(int(n), bits, np.int64(m), np.int64(h), np.uint64(seed), bits)
 
 
-__all__ = ["bloom_insert", "bloom_positions", "bloom_query_range", "mix64"]
+__all__ = ["bloom_insert", "bloom_positions", "bloom_query_range"]
 
 
 guard_simulator_globals(globals())
