@@ -63,7 +63,8 @@ class _HalfPrecision(Method):
         words = self.encode(x.reshape(-1), comm.size)
         out = np.empty_like(words)
         dtype, op = _sum_op(self.kind)
-        comm.comm.Allreduce([words, words.size, dtype], [out, out.size, dtype], op=op)
+        with comm.in_mpi("allreduce"):
+            comm.comm.Allreduce([words, words.size, dtype], [out, out.size, dtype], op=op)
         vol = 2.0 * words.nbytes * (comm.size - 1) / comm.size
         comm._account("allreduce", vol, vol)
         avg = self.decode(out).astype(x.dtype, copy=False).reshape(x.shape)

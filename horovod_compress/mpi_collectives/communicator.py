@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence, Union
 
@@ -60,19 +61,33 @@ def _contiguous(array: np.ndarray) -> np.ndarray:
     return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr).reshape(arr.shape)
 
 
+@contextlib.contextmanager
+def _timed(comm: "Communicator | None", op: str) -> Iterator[None]:
+    """Add the enclosed wall time to ``comm``'s seconds in MPI (no-op without a communicator)."""
+    if comm is None:
+        yield
+        return
+    with comm.in_mpi(op):
+        yield
+
+
 class Request:
     """A pending non-blocking operation; :meth:`wait` returns its result."""
 
     def __init__(self, mpi_request: MPI.Request, result: Any = None,
-                 on_complete: Callable[[], Any] | None = None) -> None:
+                 on_complete: Callable[[], Any] | None = None, comm: "Communicator | None" = None,
+                 op: str = "wait") -> None:
         self._req = mpi_request
+        self._comm = comm
+        self._op = op
         self._result = result
         self._on_complete = on_complete
         self._done = False
 
     def wait(self) -> Any:
         if not self._done:
-            self._req.Wait()
+            with _timed(self._comm, self._op):
+                self._req.Wait()
             self._done = True
             if self._on_complete is not None:
                 self._result = self._on_complete()
@@ -87,7 +102,9 @@ class Request:
 
     @staticmethod
     def wait_all(requests: Sequence["Request"]) -> list[Any]:
-        MPI.Request.Waitall([r._req for r in requests if not r._done])
+        pending = [r for r in requests if not r._done]
+        with _timed(pending[0]._comm if pending else None, pending[0]._op if pending else "wait"):
+            MPI.Request.Waitall([r._req for r in pending])
         out = []
         for r in requests:
             if not r._done:
@@ -115,6 +132,8 @@ class Communicator:
         self._phase: str | None = None
         self._lock = threading.Lock()
         self._device: Any = None
+        self._seconds: dict[str, float] = {}
+        self._timing_depth = threading.local()
 
     @property
     def device(self) -> Any:
@@ -146,9 +165,36 @@ class Communicator:
             }
 
     def reset_stats(self) -> None:
-        """Zero every counter."""
+        """Zero every counter (bytes and seconds)."""
         with self._lock:
             self._stats = _Stats()
+            self._seconds = {}
+
+    def timings(self) -> dict[str, Any]:
+        """Wall seconds this rank spent inside MPI calls: ``{"total": s, "by_op": {op: s}}``.
+
+        Waiting for other ranks counts here too (a collective returns when its
+        slowest participant has taken part), which is what a step loses to
+        communication. Kept apart from :meth:`stats` so byte counts stay
+        deterministic and comparable across runs.
+        """
+        with self._lock:
+            return {"total": sum(self._seconds.values()), "by_op": dict(self._seconds)}
+
+    @contextlib.contextmanager
+    def in_mpi(self, op: str) -> Iterator[None]:
+        """Time the enclosed MPI call(s) under ``op`` (nested uses count once, in the outermost)."""
+        depth = getattr(self._timing_depth, "value", 0)
+        self._timing_depth.value = depth + 1
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._timing_depth.value = depth
+            if depth == 0:
+                dt = time.perf_counter() - t0
+                with self._lock:
+                    self._seconds[op] = self._seconds.get(op, 0.0) + dt
 
     @contextlib.contextmanager
     def phase(self, label: str) -> Iterator[None]:
@@ -191,7 +237,8 @@ class Communicator:
         if isinstance(op, str) and op not in _NAMED_OPS:
             raise ValueError(f"op must be one of {sorted(_NAMED_OPS)} or an MPI.Op, got {op!r}")
         out = np.empty_like(send)
-        self.comm.Allreduce(send, out, op=mpi_op)
+        with self.in_mpi("allreduce"):
+            self.comm.Allreduce(send, out, op=mpi_op)
         vol = self._allreduce_volume(send.nbytes)
         self._account("allreduce", vol, vol)
         if op in ("avg", "average"):
@@ -210,7 +257,8 @@ class Communicator:
         send = _contiguous(array)
         mpi_op = _NAMED_OPS[op] if isinstance(op, str) else op
         out = np.empty_like(send)
-        req = self.comm.Iallreduce(send, out, op=mpi_op)
+        with self.in_mpi("allreduce"):
+            req = self.comm.Iallreduce(send, out, op=mpi_op)
         vol = self._allreduce_volume(send.nbytes)
         self._account("allreduce", vol, vol)
         size = self.size
@@ -220,7 +268,7 @@ class Communicator:
                 out.__itruediv__(out.dtype.type(size))
             return out
 
-        req_obj = Request(req, on_complete=finish)
+        req_obj = Request(req, on_complete=finish, comm=self, op="allreduce")
         req_obj._keep = send  # keep the send buffer alive until completion
         return req_obj
 
@@ -230,7 +278,8 @@ class Communicator:
             return self.device.allgather(array)
         send = _contiguous(array)
         out = np.empty((self.size,) + send.shape, dtype=send.dtype)
-        self.comm.Allgather(send, out)
+        with self.in_mpi("allgather"):
+            self.comm.Allgather(send, out)
         n = send.nbytes
         self._account("allgather", n * (self.size - 1), n * (self.size - 1))
         return out
@@ -249,7 +298,8 @@ class Communicator:
         displs = np.zeros(self.size, dtype=np.int64)
         np.cumsum(counts[:-1], out=displs[1:])
         out = np.empty(int(counts.sum()), dtype=send.dtype)
-        self.comm.Allgatherv(send, [out, counts, displs, MPI._typedict[send.dtype.char]])
+        with self.in_mpi("allgatherv"):
+            self.comm.Allgatherv(send, [out, counts, displs, MPI._typedict[send.dtype.char]])
         item = send.dtype.itemsize
         total = int(counts.sum()) * item
         received = total - send.size * item
@@ -268,7 +318,8 @@ class Communicator:
         parts = [np.ascontiguousarray(c, dtype=dtype).reshape(-1) for c in chunks]
         send_counts = np.array([p.size for p in parts], dtype=np.int64)
         recv_counts = np.empty_like(send_counts)
-        self.comm.Alltoall(send_counts, recv_counts)
+        with self.in_mpi("alltoallv"):
+            self.comm.Alltoall(send_counts, recv_counts)
         send = np.concatenate(parts) if parts else np.empty(0, dtype)
         sdispl = np.zeros(self.size, np.int64)
         np.cumsum(send_counts[:-1], out=sdispl[1:])
@@ -276,7 +327,8 @@ class Communicator:
         np.cumsum(recv_counts[:-1], out=rdispl[1:])
         recv = np.empty(int(recv_counts.sum()), dtype=dtype)
         mpitype = MPI._typedict[dtype.char]
-        self.comm.Alltoallv([send, send_counts, sdispl, mpitype], [recv, recv_counts, rdispl, mpitype])
+        with self.in_mpi("alltoallv"):
+            self.comm.Alltoallv([send, send_counts, sdispl, mpitype], [recv, recv_counts, rdispl, mpitype])
         item = dtype.itemsize
         others = np.arange(self.size) != self.rank
         sent = float(send_counts[others].sum() * item + 8 * (self.size - 1))
@@ -294,7 +346,8 @@ class Communicator:
             return self.device.broadcast(array, root)
         if not array.flags.c_contiguous:
             raise ValueError("broadcast works in place and needs a C-contiguous array")
-        self.comm.Bcast(array, root=root)
+        with self.in_mpi("broadcast"):
+            self.comm.Bcast(array, root=root)
         if self.size > 1:
             if self.rank == root:
                 self._account("broadcast", array.nbytes, 0)
@@ -305,7 +358,8 @@ class Communicator:
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
         """Broadcast a picklable object; bytes counted as its pickled size."""
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == root else None
-        data = self.comm.bcast(data, root=root)
+        with self.in_mpi("broadcast"):
+            data = self.comm.bcast(data, root=root)
         if self.size > 1:
             self._account("broadcast", len(data) if self.rank == root else 0,
                           0 if self.rank == root else len(data))
@@ -314,13 +368,15 @@ class Communicator:
     def allgather_object(self, obj: Any) -> list[Any]:
         """Allgather picklable objects (used for checks, not for gradients)."""
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        parts = self.comm.allgather(data)
+        with self.in_mpi("allgather_object"):
+            parts = self.comm.allgather(data)
         received = sum(len(p) for j, p in enumerate(parts) if j != self.rank)
         self._account("allgather_object", len(data) * (self.size - 1), received)
         return [pickle.loads(p) for p in parts]
 
     def barrier(self) -> None:
-        self.comm.Barrier()
+        with self.in_mpi("barrier"):
+            self.comm.Barrier()
 
     # -------------------------------------------------------- point-to-point
     def isend(self, array: np.ndarray, dest: int, tag: int = 0) -> Request:
@@ -335,21 +391,24 @@ class Communicator:
         else:
             send = _contiguous(to_host(array))
             nbytes = send.nbytes
-        req = self.comm.Isend(send, dest=dest, tag=tag)
+        with self.in_mpi("p2p"):
+            req = self.comm.Isend(send, dest=dest, tag=tag)
         if dest != self.rank:
             self._account("p2p", nbytes, 0)
-        r = Request(req)
+        r = Request(req, comm=self, op="p2p")
         r._keep = send
         return r
 
     def recv(self, source: int, tag: int = 0, dtype: Any = np.float32) -> np.ndarray:
         """Blocking receive of a message of unknown length (matched probe)."""
         status = MPI.Status()
-        msg = self.comm.Mprobe(source=source, tag=tag, status=status)
+        with self.in_mpi("p2p"):
+            msg = self.comm.Mprobe(source=source, tag=tag, status=status)
         dt = np.dtype(dtype)
         nbytes = status.Get_count(MPI.BYTE)
         out = np.empty(nbytes // dt.itemsize, dtype=dt)
-        msg.Recv(out)
+        with self.in_mpi("p2p"):
+            msg.Recv(out)
         if source != self.rank:
             self._account("p2p", 0, nbytes)
         return out
@@ -365,7 +424,8 @@ class Communicator:
             self._account("p2p", 0, nbytes)
         if is_gpu_array(buffer) and not self.device.cuda_aware:
             host = np.empty(tuple(buffer.shape), dtype=np.dtype(buffer.dtype))
-            req = self.comm.Irecv(host, source=source, tag=tag)
+            with self.in_mpi("p2p"):
+                req = self.comm.Irecv(host, source=source, tag=tag)
 
             def to_device() -> Any:
                 if hasattr(buffer, "set"):      # CuPy
@@ -373,9 +433,10 @@ class Communicator:
                 else:                           # Numba device array
                     buffer.copy_to_device(host)
                 return buffer
-            return Request(req, on_complete=to_device)
-        req = self.comm.Irecv(buffer, source=source, tag=tag)
-        return Request(req, result=buffer)
+            return Request(req, on_complete=to_device, comm=self, op="p2p")
+        with self.in_mpi("p2p"):
+            req = self.comm.Irecv(buffer, source=source, tag=tag)
+        return Request(req, result=buffer, comm=self, op="p2p")
 
     def sendrecv(self, array: np.ndarray, dest: int, source: int, tag: int = 0,
                  dtype: Any = None) -> np.ndarray:

@@ -66,7 +66,8 @@ def exchange_counts(comm: Any, send_counts: np.ndarray) -> np.ndarray:
     if send.size != comm.size:
         raise ValueError(f"need {comm.size} counts, got {send.size}")
     recv = np.empty_like(send)
-    comm.comm.Alltoall(send, recv)
+    with comm.in_mpi("alltoall"):
+        comm.comm.Alltoall(send, recv)
     vol = 8.0 * (comm.size - 1)
     comm._account("alltoall", vol, vol)
     return recv
@@ -98,7 +99,8 @@ def allgatherv_entries(comm: Any, entries: np.ndarray, counts: np.ndarray) -> np
     displs = np.zeros(comm.size, dtype=np.int64)
     np.cumsum(byte_counts[:-1], out=displs[1:])
     send = as_bytes(entries) if entries.size else np.empty(0, np.uint8)
-    comm.comm.Allgatherv(send, [out.view(np.uint8), byte_counts, displs, MPI.BYTE])
+    with comm.in_mpi("allgatherv"):
+        comm.comm.Allgatherv(send, [out.view(np.uint8), byte_counts, displs, MPI.BYTE])
     total = float(byte_counts.sum())
     received = total - float(byte_counts[comm.rank])
     sent = total - float(byte_counts[(comm.rank + 1) % comm.size])

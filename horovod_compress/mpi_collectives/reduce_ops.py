@@ -149,10 +149,11 @@ def allreduce_reduce_once(comm: Any, buf: np.ndarray, op: MPI.Op) -> np.ndarray:
     displs = np.zeros(p, dtype=np.int64)
     np.cumsum(counts[:-1], out=displs[1:])
     mine = np.empty(int(counts[rank]), dtype=np.uint8)
-    comm.comm.Reduce_scatter([send, MPI.UINT8_T], [mine, MPI.UINT8_T],
-                             recvcounts=[int(c) for c in counts], op=op)
     out = np.empty_like(send)
-    comm.comm.Allgatherv([mine, MPI.UINT8_T], [out, counts, displs, MPI.UINT8_T])
+    with comm.in_mpi("allreduce"):
+        comm.comm.Reduce_scatter([send, MPI.UINT8_T], [mine, MPI.UINT8_T],
+                                 recvcounts=[int(c) for c in counts], op=op)
+        comm.comm.Allgatherv([mine, MPI.UINT8_T], [out, counts, displs, MPI.UINT8_T])
     vol = 2.0 * send.nbytes * (p - 1) / p
     comm._account("allreduce", vol, vol)
     return out
