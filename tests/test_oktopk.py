@@ -12,12 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from horovod_compress.mpi_collectives.oktopk import radix_bits_for, radix_rounds
 from horovod_compress.testing import run_cases
 
 CASES = Path(__file__).parent / "cases" / "oktopk_cases.py"
 ALL = ["case_exact_every_step", "case_reused_thresholds", "case_guards_reselect_exactly",
        "case_degenerate", "case_checkpoint_resume", "case_split_and_reduce", "case_balance",
-       "case_bisection_and_boundaries", "case_volume"]
+       "case_bisection_and_boundaries", "case_volume", "case_round_trips"]
 WORD = 4  # bytes per word (float32 value or int32 index)
 
 pytestmark = pytest.mark.mpi
@@ -82,3 +83,54 @@ def test_volume_below_6k_and_topka_above(results):
         assert set(r["topk"]["sent"]) == {topka} and set(r["topk"]["received"]) == {topka}
     if p >= 4:
         assert topka > bound  # TopkA's 2k(P-1) overtakes Ok-Topk's bound from P = 4 on
+
+
+COLLECTIVES = ("allreduce", "allgather", "allgatherv", "alltoall", "alltoallv", "broadcast")
+
+
+def test_collective_calls_per_step(results):
+    """Latency: the number of collective calls per step (each a round trip on the network).
+
+    A step that reuses both thresholds makes 2 collective calls (one allgather of
+    counts, one allgatherv of the global top-k) plus the split's P-1 point-to-point
+    messages each way (no size alltoall); a scheduled exact step the same 2; the
+    first step one more (the boundaries' allreduce); a guard step adds the rounds
+    of the histogram select (ceil(31 / bits) at most for float32 with 2**bits <= k/4
+    buckets: 5 at k = 1000, 3 at k = 40,000; the last round also replaces the
+    count exchange) -- against 31 + 1 with bisection.
+    """
+    p, res = results
+    rows = res["case_round_trips"][0]["rows"]
+    max_rounds = -(-31 // radix_bits_for(res["case_round_trips"][0]["k"]))
+    guards = 0
+    for r in rows:
+        calls = r["calls"]
+        coll = sum(calls.get(op, 0) for op in COLLECTIVES)
+        assert "alltoall" not in calls, r
+        assert calls.get("p2p", 0) >= 2 * (p - 1), r      # the split: one message each way per peer
+        if r["step"] == 1:
+            assert coll == 3 and calls["allreduce"] == 1, r
+        elif r["guard"]:
+            guards += 1
+            assert 3 <= coll <= 2 + max_rounds and calls["allgatherv"] == 1, r
+        else:
+            assert coll == 2 and calls == {"allgather": 1, "allgatherv": 1,
+                                           "p2p": calls["p2p"]}, r
+    assert guards >= 1, "the jump should have tripped the global guard"
+    mean = np.mean([sum(r["calls"].get(op, 0) for op in COLLECTIVES) for r in rows])
+    assert mean <= 2.5, mean     # bisection: >= 4 per step and 36 on a guard step
+    # every rank made the same collective calls
+    for rank, other in res["case_round_trips"].items():
+        for a, b in zip(rows, other["rows"]):
+            assert {k: v for k, v in a["calls"].items() if k != "p2p"} == \
+                   {k: v for k, v in b["calls"].items() if k != "p2p"}, (rank, a, b)
+
+
+def test_radix_rounds_for_a_2000x2000_gradient():
+    """k = 40,000 (1% of 4M): 8192-bucket int32 histograms, 2 rounds over 8 binades of keys."""
+    k = 40_000
+    assert radix_bits_for(k) == 13
+    assert len(radix_rounds(8 * 2**23, radix_bits_for(k))) == 2
+    assert len(radix_rounds(2**31, radix_bits_for(k))) == 3     # the whole float32 range
+    assert len(radix_rounds(2**31, 1)) == 31                    # = the old bisection
+    assert radix_rounds(2**31, 11) == [20, 9, 0]

@@ -10,7 +10,8 @@ vector (Section 3.1), computed with two phases of communication:
    into buckets of non-blocking point-to-point messages, the previous
    bucket's entries reduced while the current one is in flight. Rank j ends
    with ``reduced_j``, the sum over ranks restricted to region j. Volume
-   about ``2k(P-1)/P`` words per rank (Equation 1).
+   about ``2k(P-1)/P`` words per rank (Equation 1). Receivers learn sizes
+   from the messages (matched probes), so no size exchange precedes them.
 2. :func:`balance_and_allgatherv` (Section 3.1.2, Figure 3): rank j keeps the
    entries of ``reduced_j`` with ``|v| >= global_th``; the counts are
    allgathered; when the largest count exceeds ``balance_factor`` times the
@@ -36,6 +37,21 @@ The boundaries are also recomputed at sparse steps 2, 3, 5, 9, ... below
 ``tau`` (:func:`repartition_due`, ours): right after the dense warm-up the
 distribution of the local top-k across the index space moves fastest.
 
+Round trips (each collective call is one on a slow link; ours, the paper
+counts only volume). A step that reuses both thresholds makes two collective
+calls: one allgather that carries every rank's count (with its largest
+candidate key) and one allgatherv of the global top-k, plus one round of
+point-to-point messages per bucket of split-and-reduce (one for P <= 5 with
+the reference's bucket size 4) and the balancing messages when they run.
+A scheduled exact step (one in ``tau_prime``) also makes two: the same count
+allgather and the allgatherv of the union. A repartition costs no call of its
+own: when step t+1 is due, the proposals for it (from step t's local top-k)
+ride on step t's count allgather and every rank averages them -- a deviation
+from Algorithm 1, lines 5-7, which use step t+1's own local top-k: the
+boundaries are one step older (they are reused for ``tau`` steps anyway, and
+any boundaries give the same result; they only balance the work). Only the
+first sparse step agrees its boundaries with an allreduce.
+
 Guards, not in the paper, keep degenerate inputs and stale thresholds cheap
 and correct (each documented where it acts):
 
@@ -47,9 +63,15 @@ and correct (each documented where it acts):
 * a reused global threshold whose candidates total more than
   ``global_guard * k`` (default 2k; every rank knows the total after the
   count allgather) is replaced by the exact k-th largest ``|v|`` of the
-  candidates, found by :func:`distributed_kth_largest_abs` (bisection with
-  one-int64 allreduces, no values moved). The candidates contain the true
-  global top-k, so this step's ``u`` is exact.
+  candidates, found by :func:`distributed_kth_largest_abs`: a radix select
+  on the float bit patterns between the stale threshold's and the largest
+  candidate's (both known from the count allgather), one histogram
+  collective per round, no values moved; with ``2**bits <= k/4`` buckets
+  (:func:`radix_bits_for`) that is 2 rounds at k = 40,000 over 8 binades,
+  and its last round (an allgather of the per-rank histograms) also gives
+  the new counts for the allgatherv. The candidates contain the true global
+  top-k, so this step's ``u`` is exact. (The bisection it replaces took 31
+  allreduces plus a second count allgather.)
 
 Without them the early steps after the dense warm-up, when the residuals grow
 fast, select up to ~10k entries with thresholds from 30 steps before (we
@@ -75,7 +97,6 @@ from .coo_messages import (
     allgatherv_entries,
     as_bytes,
     check_index_range,
-    exchange_counts,
     from_bytes,
     gather_counts,
     make_entries,
@@ -148,42 +169,39 @@ def split_and_reduce(comm: Any, indices: np.ndarray, values: np.ndarray,
     ``indices`` (ascending) and ``values`` are this rank's local top-k.
     Region j of it is sent to rank j; returns ``(indices, sums)`` of region
     ``comm.rank`` summed over all ranks, by ascending index, in ``values``'
-    dtype (sums are formed in float64 first). Sizes are exchanged first (one
-    alltoall of P int64); empty messages are not sent.
+    dtype (sums are formed in float64 first).
+
+    One round trip per bucket and no size exchange: every rank sends one
+    message to each destination of the bucket (possibly empty: zero bytes
+    still tell the receiver "nothing") and receives with a matched probe,
+    which learns the size from the message itself. (Sizing receive buffers
+    with an alltoall of counts first, as we did before, cost one more round
+    trip per step.)
     """
     p, r = comm.size, comm.rank
     entries = make_entries(indices, values)
-    edt = entries.dtype
     cuts = region_cuts(indices, boundaries)
-    send_counts = np.diff(cuts).astype(np.int64)
     mine = entries[cuts[r]:cuts[r + 1]]
     acc_idx, acc_val = mine["index"].astype(np.int64), mine["value"].astype(np.float64)
     if p == 1:
         return acc_idx, acc_val.astype(values.dtype)
-    recv_counts = exchange_counts(comm, send_counts)
 
     def reduce_into(acc_idx, acc_val, received):
-        if not received:
-            return acc_idx, acc_val
         parts = [from_bytes(b, values.dtype) for b in received]
+        parts = [q for q in parts if q.size]
+        if not parts:
+            return acc_idx, acc_val
         return coo_sum(np.concatenate([acc_idx] + [q["index"].astype(np.int64) for q in parts]),
                        np.concatenate([acc_val] + [q["value"].astype(np.float64) for q in parts]))
 
     in_flight: list[np.ndarray] = []
     for bucket in rotation_schedule(r, p, bucket_size):
-        requests: list[Request] = []
-        arriving: list[np.ndarray] = []
-        for dst, src in bucket:
-            if recv_counts[src] > 0:
-                buf = np.empty(int(recv_counts[src]) * edt.itemsize, dtype=np.uint8)
-                requests.append(comm.irecv(buf, src, TAG_SPLIT))
-                arriving.append(buf)
-            if send_counts[dst] > 0:
-                requests.append(comm.isend(as_bytes(entries[cuts[dst]:cuts[dst + 1]]), dst, TAG_SPLIT))
+        sends = [comm.isend(as_bytes(entries[cuts[dst]:cuts[dst + 1]]), dst, TAG_SPLIT)
+                 for dst, _ in bucket]
         # overlap: reduce the previous bucket while this one is on the wire
         acc_idx, acc_val = reduce_into(acc_idx, acc_val, in_flight)
-        Request.wait_all(requests)
-        in_flight = arriving
+        in_flight = [comm.recv(src, TAG_SPLIT, dtype=np.uint8) for _, src in bucket]
+        Request.wait_all(sends)
     acc_idx, acc_val = reduce_into(acc_idx, acc_val, in_flight)
     return acc_idx, acc_val.astype(values.dtype)
 
@@ -255,29 +273,134 @@ def balance_and_allgatherv(comm: Any, indices: np.ndarray, values: np.ndarray,
     return idx, val, balanced
 
 
-def distributed_kth_largest_abs(comm: Any, values: np.ndarray, k: int) -> float:
-    """Exact k-th largest ``|v|`` over the union of every rank's ``values``, by bisection.
+# ------------------------------------------------- distributed exact selection
+def _abs_keys(values: np.ndarray) -> tuple[np.ndarray, np.dtype]:
+    """IEEE bit patterns of ``|v|``: uint32 for float32 (and narrower, widened), uint64 for float64.
 
-    Bisects on the IEEE bit patterns of ``|v|`` (they order like the
-    magnitudes) with one allreduce of a single int64 count per probe: 31
-    probes for float32, 63 for float64, a few hundred bytes in all, no
-    values moved. The union must hold at least k values.
+    Keys of non-negative floats order like the floats themselves.
     """
     v = np.abs(np.ascontiguousarray(values).reshape(-1))
     if v.dtype == np.float64:
-        keys, hi, back = v.view(np.uint64), 0x7FF0000000000001, np.uint64
-    else:
-        v = v.astype(np.float32, copy=False)
-        keys, hi, back = v.view(np.uint32), 0x7F800001, np.uint32
-    lo = 0  # invariant: count(keys >= lo) >= k > count(keys >= hi)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        c = comm.allreduce(np.array([np.count_nonzero(keys >= back(mid))], dtype=np.int64))
-        if int(c[0]) >= k:
-            lo = mid
+        return v.view(np.uint64), np.dtype(np.float64)
+    v = v.astype(np.float32, copy=False)
+    return v.view(np.uint32), np.dtype(np.float32)
+
+
+def abs_key(value: float, dtype: Any) -> int:
+    """The key (IEEE bit pattern) of ``|value|`` as float64 if ``dtype`` is float64, else float32."""
+    if np.dtype(dtype) == np.float64:
+        return int(np.array([abs(value)], np.float64).view(np.uint64)[0])
+    return int(np.array([abs(value)], np.float32).view(np.uint32)[0])
+
+
+def max_abs_key(values: np.ndarray) -> int:
+    """Largest key of ``|values|`` (0 for an empty array)."""
+    keys, _ = _abs_keys(values)
+    return int(keys.max()) if keys.size else 0
+
+
+def radix_rounds(width: int, bits: int) -> list[int]:
+    """Shifts of the histogram rounds that pin one key among ``width`` consecutive keys.
+
+    ``R = ceil(L / bits)`` rounds for ``L = bit_length(width - 1)``, the L
+    bits spread evenly over them: round r histograms ``(key - base) >>
+    shifts[r]`` into at most ``2**bits`` buckets; the last shift is 0.
+    """
+    total = max(1, int(width - 1).bit_length())
+    rounds = -(-total // bits)
+    per = -(-total // rounds)
+    return [max(0, total - per * (r + 1)) for r in range(rounds)]
+
+
+def radix_bits_for(k: int, max_bits: int = 13) -> int:
+    """Histogram size per round for selecting the k-th value: ``2**bits <= k / 4`` buckets.
+
+    With int32 counts a round then moves at most k bytes per rank (an eighth of
+    the 8k bytes of the k selected entries), so the step's volume bound holds;
+    between 16 and ``2**max_bits`` buckets. At k = 40,000 (1% of a 2000 x 2000
+    gradient) that is 13 bits: two rounds for a key range of up to 8 binades.
+    """
+    return int(min(max_bits, max(4, (max(int(k), 1) // 4).bit_length() - 1)))
+
+
+def distributed_kth_largest_abs(comm: Any, values: np.ndarray, k: int, *,
+                                key_range: tuple[int, int] | None = None, bits: int = 11,
+                                with_counts: bool = False, count_dtype: Any = np.int64) -> Any:
+    """Exact k-th largest ``|v|`` over the union of every rank's ``values``: a radix select.
+
+    The keys (IEEE bit patterns of ``|v|``, which order like the magnitudes)
+    lie in ``key_range = (lo, hi)`` (inclusive; default every non-negative
+    float up to inf); keys below ``lo`` are ignored, none may exceed ``hi``.
+    Each round every rank histograms ``(key - base) >> shift`` of its keys in
+    the current interval into at most ``2**bits`` buckets, one allreduce
+    (int64) sums the histograms, and every rank walks the global histogram
+    from the top until the count reaches the rank still wanted: the interval
+    shrinks to that bucket. With ``L = bit_length(hi - lo)`` this takes
+    ``ceil(L / bits)`` rounds (:func:`radix_rounds`), one collective each:
+    3 for the whole float32 range with the default 11 bits (2048 buckets, 16
+    KB), 2 with 13 bits when ``hi/lo`` spans at most 8 binades; the bisection it
+    replaces took 31 one-integer allreduces. No values move. The union must
+    hold at least k keys in the range. Histograms travel as ``count_dtype``
+    (int32 halves the bytes when the union is known to hold fewer than 2**31
+    keys; every rank must pass the same).
+
+    With ``with_counts`` the function returns ``(threshold, counts)`` where
+    ``counts[j]`` is how many of rank j's keys are ``>= threshold`` -- what
+    an allgatherv of the selection needs. For P <= 8 the last round is then an
+    allgather of the per-rank histograms instead of an allreduce (no extra
+    call); for larger P one extra allgather of one int64 per rank.
+
+    This is Ok-Topk's ``th_re_evaluate`` (Algorithm 1, line 11) on values
+    spread over the ranks: the exact k-th largest, as gathering the values
+    and selecting would give, with O(2**bits) words per round.
+    """
+    keys, fdt = _abs_keys(values)
+    top = 0x7FF0000000000000 if fdt == np.float64 else 0x7F800000
+    lo, hi = (0, top) if key_range is None else (int(key_range[0]), int(key_range[1]))
+    if not 1 <= bits <= 20:
+        raise ValueError(f"bits must be in [1, 20], got {bits}")
+    if hi < lo:
+        raise ValueError(f"empty key range [{lo}, {hi}]")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    kt = keys.dtype.type
+    sel = keys[keys >= kt(lo)] if lo > 0 else keys
+    above = 0                    # this rank's keys above the current interval
+    base, width, want = lo, hi - lo + 1, int(k)
+    shifts = radix_rounds(width, bits)
+    gather_last = with_counts and comm.size <= 8
+    counts = None
+    for r, shift in enumerate(shifts):
+        nb = ((width - 1) >> shift) + 1
+        digit = ((sel - kt(base)) >> kt(shift)).astype(np.intp)
+        hist = np.bincount(digit, minlength=nb).astype(count_dtype)
+        if hist.size > nb:
+            raise ValueError(f"a key above the range's top {hi}")
+        last = r == len(shifts) - 1
+        if last and gather_last:
+            rows = comm.allgather(np.concatenate([np.array([above], count_dtype), hist]))
+            rows = rows.reshape(comm.size, nb + 1).astype(np.int64)
+            ghist = rows[:, 1:].sum(axis=0)
         else:
-            hi = mid
-    return float(np.array([lo], dtype=back).view(v.dtype)[0])
+            ghist = comm.allreduce(hist, op="sum") if comm.size > 1 else hist
+        from_top = np.cumsum(ghist[::-1], dtype=np.int64)
+        pos = int(np.searchsorted(from_top, want))       # first position with from_top >= want
+        if pos >= nb:
+            raise ValueError(f"fewer than k={k} values in the key range")
+        b = nb - 1 - pos
+        want -= int(from_top[pos] - ghist[b])
+        if last and gather_last:
+            counts = rows[:, 0] + rows[:, 1 + b:].sum(axis=1)
+        above += int(np.count_nonzero(digit > b))
+        sel = sel[digit == b]
+        base += b << shift
+        width = min(1 << shift, width - (b << shift))
+    th = float(np.array([base], dtype=keys.dtype).view(fdt)[0])
+    if not with_counts:
+        return th
+    if counts is None:
+        counts = gather_counts(comm, above + sel.size)
+    return th, np.asarray(counts, dtype=np.int64)
 
 
 # --------------------------------------------------------------- Algorithm 1
@@ -297,6 +420,7 @@ class OkTopkSchedule:
     early_repartition: bool = True  # also repartition at steps 2, 3, 5, 9, ... < tau (ours)
     local_guard: float = 2.0        # re-evaluate local_th when a reused one selects > guard*k
     global_guard: float = 2.0       # re-select exactly when a reused global_th selects > guard*k
+    radix_bits: int = 13            # at most 2**radix_bits buckets per round of the exact select
 
 
 @dataclass
@@ -378,14 +502,35 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
                          _nudge(th, idx.size, k, schedule.low, schedule.high,
                                 schedule.local_scale, schedule.local_scale))
 
-    # lines 5-7: region boundaries every tau steps (or when missing / for another size)
+    # lines 5-7: region boundaries every tau steps (or when missing / for another size).
+    # A due repartition normally arrives agreed already: the proposals rode on the
+    # previous step's count allgather (see _count_message); else one allreduce here.
     bounds = state.get("boundaries")
-    if (repartition_due(step, schedule) or bounds is None or len(bounds) != p + 1
+    ahead = state.pop("next_boundaries", None)
+    ahead_ok = (ahead is not None and state.pop("next_boundaries_step", None) == step
+                and len(ahead) == p + 1 and int(ahead[-1]) == n)
+    if ahead_ok:
+        bounds = np.asarray(ahead, dtype=np.int64)
+    elif (repartition_due(step, schedule) or bounds is None or len(bounds) != p + 1
             or int(bounds[-1]) != n):
         with comm.phase("oktopk.space_repartition"):
             bounds = agree_boundaries(comm, local_region_boundaries(idx, n, p))
-        state["boundaries"] = bounds
+    state["boundaries"] = bounds
     bounds = np.asarray(bounds, dtype=np.int64)
+    propose = p > 1 and repartition_due(step + 1, schedule)
+
+    def count_exchange(count: int, max_key: int) -> tuple[np.ndarray, int]:
+        """One allgather: every rank's count, the largest key, next step's boundaries."""
+        msg = [np.array([count, max_key], dtype=np.int64)]
+        if propose:
+            msg.append(local_region_boundaries(idx, n, p)[1:p])
+        rows = comm.allgather(np.concatenate(msg)).reshape(p, -1)
+        if propose:
+            nxt = np.empty(p + 1, dtype=np.int64)
+            nxt[0], nxt[p] = 0, n
+            nxt[1:p] = rows[:, 2:].sum(axis=0) // p      # = agree_boundaries' rounding
+            state["next_boundaries"], state["next_boundaries_step"] = nxt, step + 1
+        return rows[:, 0].copy(), int(rows[:, 1].max())
 
     # line 8: split and reduce
     with comm.phase("oktopk.split_and_reduce"):
@@ -397,8 +542,8 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
     balanced = False
     if exact_global:
         with comm.phase("oktopk.threshold_allgatherv"):
-            union = allgatherv_entries(comm, make_entries(red_idx, red_val),
-                                       gather_counts(comm, red_idx.size))
+            counts, _ = count_exchange(red_idx.size, 0)
+            union = allgatherv_entries(comm, make_entries(red_idx, red_val), counts)
         u_idx_all, u_val_all = split(union)
         gth = kth_largest_abs(u_val_all, k)
         pos, u_val = select_by_threshold(u_val_all, gth)
@@ -408,16 +553,20 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
     else:
         with comm.phase("oktopk.balance_and_allgatherv"):
             keep, g_val = select_by_threshold(red_val, gth)
-            counts = gather_counts(comm, keep.size)
+            counts, top_key = count_exchange(keep.size, max_abs_key(g_val))
             global_reused = int(counts.sum())
             if global_reused > schedule.global_guard * k:
-                # the reused threshold went stale: the candidates hold the true top k,
-                # find its exact threshold with scalar allreduces and select again
-                with comm.phase("oktopk.threshold_bisection"):
-                    gth = distributed_kth_largest_abs(comm, g_val, k)
+                # the reused threshold went stale: the candidates (keys between gth's and the
+                # largest) hold the true top k; find its exact threshold with a few histogram
+                # allreduces, the last of which also tells every rank's new count
+                lo = max(0, abs_key(gth, g_val.dtype) - 1)
+                with comm.phase("oktopk.threshold_select"):
+                    gth, counts = distributed_kth_largest_abs(
+                        comm, g_val, k, key_range=(lo, max(lo, top_key)),
+                        bits=radix_bits_for(k, schedule.radix_bits), with_counts=True,
+                        count_dtype=np.int32 if global_reused < 2**31 else np.int64)
                 sub, g_val = select_by_threshold(g_val, gth)
                 keep = keep[sub]
-                counts = gather_counts(comm, keep.size)
                 exact_global = True
             u_idx, u_val, balanced = balance_and_allgatherv(
                 comm, red_idx[keep], g_val, schedule.balance_factor, counts)
@@ -435,7 +584,7 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
                         local_reused, global_reused, exact_local, exact_global, balanced)
 
 
-__all__ = ["OkTopkResult", "OkTopkSchedule", "agree_boundaries", "balance",
+__all__ = ["OkTopkResult", "OkTopkSchedule", "abs_key", "agree_boundaries", "balance",
            "balance_and_allgatherv", "balanced_shares", "distributed_kth_largest_abs",
-           "local_region_boundaries", "repartition_due", "rotation_schedule",
+           "local_region_boundaries", "max_abs_key", "radix_bits_for", "radix_rounds", "repartition_due", "rotation_schedule",
            "ok_sparse_allreduce", "region_cuts", "split_and_reduce"]
