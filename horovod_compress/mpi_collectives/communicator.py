@@ -133,6 +133,7 @@ class Communicator:
         self._lock = threading.Lock()
         self._device: Any = None
         self._seconds: dict[str, float] = {}
+        self._cpu_seconds = 0.0
         self._timing_depth = threading.local()
 
     @property
@@ -169,9 +170,15 @@ class Communicator:
         with self._lock:
             self._stats = _Stats()
             self._seconds = {}
+            self._cpu_seconds = 0.0
 
     def timings(self) -> dict[str, Any]:
-        """Wall seconds this rank spent inside MPI calls: ``{"total": s, "by_op": {op: s}}``.
+        """Seconds this rank spent inside MPI calls: ``{"total": s, "by_op": {op: s}, "cpu_total": s}``.
+
+        ``total`` and ``by_op`` are wall time; ``cpu_total`` is the calling
+        threads' CPU time inside MPI (polling, copies, user-defined reduction
+        operators), which lets a benchmark separate a method's own CPU work
+        from time spent waiting.
 
         Waiting for other ranks counts here too (a collective returns when its
         slowest participant has taken part), which is what a step loses to
@@ -179,22 +186,24 @@ class Communicator:
         deterministic and comparable across runs.
         """
         with self._lock:
-            return {"total": sum(self._seconds.values()), "by_op": dict(self._seconds)}
+            return {"total": sum(self._seconds.values()), "by_op": dict(self._seconds),
+                    "cpu_total": self._cpu_seconds}
 
     @contextlib.contextmanager
     def in_mpi(self, op: str) -> Iterator[None]:
         """Time the enclosed MPI call(s) under ``op`` (nested uses count once, in the outermost)."""
         depth = getattr(self._timing_depth, "value", 0)
         self._timing_depth.value = depth + 1
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
             self._timing_depth.value = depth
             if depth == 0:
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.thread_time() - c0
                 with self._lock:
                     self._seconds[op] = self._seconds.get(op, 0.0) + dt
+                    self._cpu_seconds += dc
 
     @contextlib.contextmanager
     def phase(self, label: str) -> Iterator[None]:

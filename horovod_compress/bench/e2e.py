@@ -1,0 +1,362 @@
+"""``hvdc bench e2e``: whole training steps of every method on shaped links, beside the model.
+
+For each P in ``--hosts`` the launcher builds an emulated cluster of P hosts
+(:mod:`horovod_compress.cluster`), and for each bandwidth it reshapes the
+links and runs :mod:`.e2e_worker` with one rank per host. Every rank gets
+its share of the cores (threads = cores // P, at least 1), and says so.
+
+The worker first probes the links (small and 16 MiB messages of each
+collective the methods use) -- what the links really carry -- then times
+``--steps`` training steps per method. The launcher fits the alpha-beta model
+to the probes (:func:`horovod_compress.cost_model.fit_link`), predicts every
+method's communication time from its measured bytes and calls, and writes
+``<out>/<name>.md``, ``.json`` and ``.png`` (speedup over dense against
+bandwidth).
+
+    hvdc bench e2e                                    # P = 2, 4 at 100 Mbit, 1 Gbit, 10 Gbit
+    hvdc bench e2e --hosts 4 --bandwidths 1gbit --methods none,topk,oktopk
+    hvdc bench e2e --model matrix2000 --name e2e_matrix2000
+    hvdc bench e2e --no-cluster --hosts 2 --bandwidths shm   # shared memory, no shaping
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..cost_model import OpCount, StepProfile, break_even_bandwidth, fit_link, predict
+
+DEFAULT_BANDWIDTHS = ("100mbit", "1gbit", "10gbit")
+SHM = "shm"
+MODEL_CHECK = ("100mbit", "1gbit")   # where the model must be within 25%
+TOLERANCE = 0.25
+
+
+def register_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("e2e", help="training steps of every method on an emulated cluster with shaped links",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hosts", type=int, nargs="+", default=[2, 4], help="values of P (one rank per host)")
+    p.add_argument("--bandwidths", nargs="+", default=list(DEFAULT_BANDWIDTHS),
+                   help="link rates (tc units: 100mbit, 1gbit, 10gbit); 'shm' with --no-cluster")
+    p.add_argument("--methods", default="all",
+                   help="'all' or comma-separated names; name:{json} sets parameters, e.g. "
+                        "'powersgd:{\"rank\":4}'")
+    p.add_argument("--model", default="transformer", choices=("transformer", "matrix2000", "tiny"))
+    p.add_argument("--steps", type=int, default=3, help="measured steps per method (median reported)")
+    p.add_argument("--warm", type=int, default=1, help="untimed steps first")
+    p.add_argument("--out", default="benchmarks", help="directory for the results")
+    p.add_argument("--name", default="e2e", help="file stem of the results")
+    p.add_argument("--no-cluster", action="store_true", help="run on shared memory (no namespaces, no shaping)")
+    p.add_argument("--cluster-name", default="hvdce2e", help="name of the emulated cluster it builds")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per (P, bandwidth) run")
+    p.set_defaults(func=run)
+
+
+def method_list(spec: str) -> list[str]:
+    """``'all'`` -> every registered method (dense first); else the comma-separated items."""
+    from ..compressors import registry
+    if spec == "all":
+        return registry.available()
+    items = [s.strip() for s in _split_methods(spec) if s.strip()]
+    for item in items:
+        registry.method_class(item.partition(":")[0])      # ValueError naming the method
+    if not any(i.partition(":")[0] == "none" for i in items):
+        items.insert(0, "none")                             # the baseline of every ratio
+    return items
+
+
+def _split_methods(spec: str) -> list[str]:
+    """Split at commas outside JSON braces."""
+    out, depth, cur = [], 0, ""
+    for ch in spec:
+        depth += ch == "{"
+        depth -= ch == "}"
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur)
+    return out
+
+
+def _worker_command(p: int, methods: list[str], args: argparse.Namespace, json_path: str,
+                    local: bool) -> list[str]:
+    from ..testing import mpirun_command
+    mpirun = mpirun_command(p) if local else ["mpirun", "-np", str(p)]
+    return mpirun + [sys.executable, "-m", "horovod_compress.bench.e2e_worker",
+                     "--methods", ",".join(methods), "--model", args.model, "--steps", str(args.steps),
+                     "--warm", str(args.warm), "--json", json_path]
+
+
+def _stream(cmd: list[str], env: dict[str, str], bar: Any, label: str, timeout: float) -> None:
+    """Run the workers, advancing ``bar`` on each progress line; raise with stderr's tail on failure."""
+    with tempfile.TemporaryFile(mode="w+") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            for line in proc.stdout:
+                if line.startswith("HVDC-PROGRESS "):
+                    bar.set_postfix_str(f"{label} {line.split(' ', 1)[1].strip()}")
+                    bar.update(1)
+            rc = proc.wait(timeout=timeout)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        if rc != 0:
+            err.seek(0)
+            raise RuntimeError(f"benchmark workers failed (exit {rc}) at {label}:\n{err.read()[-4000:]}")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from ..cluster import ClusterSpec, EmulatedCluster, cluster_env, describe, in_host, threads_per_rank
+    from ..testing import mpi_env
+    methods = method_list(args.methods)
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.no_cluster:
+        bws = [SHM]
+    else:
+        bws = list(args.bandwidths)
+        if SHM in bws:
+            raise ValueError("'shm' needs --no-cluster")
+        from ..cluster import parse_rate
+        for bw in bws:
+            parse_rate(bw)
+    runs: list[dict[str, Any]] = []
+    total = len(args.hosts) * len(bws) * (len(methods) + 1)
+    with tempfile.TemporaryDirectory(prefix="hvdc-e2e-") as tmp, \
+            tqdm(total=total, desc="e2e", unit="item", file=sys.stderr) as bar:
+        for p in args.hosts:
+            threads = threads_per_rank(p)
+            if args.no_cluster:
+                env = mpi_env({k: str(threads) for k in ("OMP_NUM_THREADS", "NUMBA_NUM_THREADS",
+                                                         "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")})
+                path = os.path.join(tmp, f"p{p}-shm.json")
+                tqdm.write(f"[e2e] P={p} on shared memory, {threads} thread(s) per rank", file=sys.stderr)
+                _stream(_worker_command(p, methods, args, path, True), env, bar, f"P={p} shm", args.timeout)
+                runs.append({"bandwidth": SHM, **json.loads(Path(path).read_text())})
+                continue
+            spec = ClusterSpec(hosts=p, bandwidth=bws[0], name=args.cluster_name)
+            with EmulatedCluster(spec) as cluster:
+                for bw in bws:
+                    cluster.reshape(bw)
+                    tqdm.write(f"[e2e] {describe(cluster.spec, p)}", file=sys.stderr)
+                    path = os.path.join(tmp, f"p{p}-{bw}.json")
+                    cmd = in_host(cluster.spec, _worker_command(p, methods, args, path, False))
+                    _stream(cmd, cluster_env(cluster.spec, p), bar, f"P={p} {bw}", args.timeout)
+                    runs.append({"bandwidth": bw, **json.loads(Path(path).read_text())})
+    report = analyse(runs, args)
+    write_results(report, Path(args.out), args.name)
+    print(render_markdown(report))
+    return 0
+
+
+# ----------------------------------------------------------------- analysis
+def profile_of(label: str, m: dict[str, Any], p: int) -> StepProfile:
+    """The method's step as the model sees it: CPU time of compute and compression (what they cost
+    on a rank with a core of its own), bytes and calls per operation."""
+    ops = {op: OpCount(v["calls"], v["sent"], v["received"]) for op, v in m["ops"].items()}
+    return StepProfile(label.split("(")[0], p, m["compute_cpu_s"], m["compress_cpu_s"], ops)
+
+
+def core_share(world_size: int, cores: int) -> float:
+    """How many ranks share a core: a rank's CPU work takes this many times its CPU time in wall time."""
+    return max(1.0, world_size / max(cores, 1))
+
+
+def analyse(runs: list[dict[str, Any]], args: argparse.Namespace | None = None) -> dict[str, Any]:
+    """Add the fitted network and the model's prediction to every measurement."""
+    import numpy as np
+    import torch
+    from mpi4py import MPI
+
+    from ..cluster import parse_rate
+    for r in runs:
+        p = r["world_size"]
+        nominal = 80e9 if r["bandwidth"] == SHM else parse_rate(r["bandwidth"])
+        probes = {op: v for op, v in r["probe"].items() if "large_s" in v}
+        fitted = fit_link(nominal, {op: (v["small_s"], v["large_s"], v["large_bytes"], p)
+                                    for op, v in probes.items()},
+                          call_latency=r["probe"].get("interleaved", {}).get("call_s", 0.0))
+        r["link"] = {op: {"alpha_us": 1e6 * fitted.op_alpha[op], "efficiency": fitted.efficiency[op],
+                          "carried_gbit": v["large_bytes"] * 8 / v["large_s"] / 1e9}
+                     for op, v in probes.items()}
+        r["call_latency_us"] = 1e6 * fitted.call_latency
+        dense = r["methods"].get("none")
+        dense_prof = profile_of("none", dense, p) if dense and "error" not in dense else None
+        for label, m in r["methods"].items():
+            if "error" in m:
+                continue
+            prof = profile_of(label, m, p)
+            pred = predict(prof, fitted)
+            # On the testbed P ranks share the machine's cores: each rank's CPU work
+            # stretches by the share, and a rank waits in MPI for peers still computing.
+            # The measured stretch (wall / CPU time of the forward/backward pass) is the
+            # core share as the scheduler really gave it; ranks wait for the slowest
+            # peer's compute and compression (imbalance, measured per step).
+            share = max(1.0, m["compute_s"] / m["compute_cpu_s"]) if m["compute_cpu_s"] > 0 else \
+                core_share(p, r.get("cores", 1))
+            work = m["compute_cpu_s"] + m["compress_cpu_s"]
+            wait = m.get("imbalance_s", 0.0)
+            step = share * work + pred.comm_s + wait
+            m["predicted"] = {"comm_s": pred.comm_s + wait, "alpha_beta_s": pred.comm_s, "wait_s": wait,
+                              "latency_s": pred.latency_s, "transfer_s": pred.transfer_s, "step_s": step,
+                              "core_share": share}
+            m["model_error"] = (m["predicted"]["comm_s"] - m["comm_s"]) / m["comm_s"] if m["comm_s"] > 0 else 0.0
+            m["step_model_error"] = (step - m["step_s"]) / m["step_s"]
+            m["compress_vs_memcpy"] = m["compress_s"] / r["memcpy_s"] if r["memcpy_s"] > 0 else float("nan")
+            m["bytes_per_step"] = max(m["sent"], m["received"])
+            if dense_prof is not None:
+                m["speedup"] = dense["step_s"] / m["step_s"]
+                m["predicted_speedup"] = dense["predicted"]["step_s"] / pred.step_s \
+                    if "predicted" in dense else float("nan")
+                m["break_even_gbit"] = break_even_bandwidth(prof, dense_prof, fitted) / 1e9
+    return {
+        "when": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "hvdc bench e2e " + (" ".join(shlex.quote(a) for a in sys.argv[3:])
+                                        if len(sys.argv) > 2 and sys.argv[1:3] == ["bench", "e2e"] else ""),
+        "machine": f"{platform.machine()}, {os.cpu_count()} logical CPUs, {platform.system()} "
+                   f"{platform.release()}",
+        "versions": f"Python {platform.python_version()}, torch {torch.__version__}, NumPy {np.__version__}, "
+                    f"{MPI.Get_library_version().splitlines()[0].strip()}",
+        "model": runs[0]["model"] if runs else None,
+        "runs": runs,
+    }
+
+
+def write_results(report: dict[str, Any], out: Path, name: str) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1, default=float))
+    (out / f"{name}.md").write_text(render_markdown(report, plot=f"{name}.png"))
+    plot(report, out / f"{name}.png")
+
+
+def _fmt_bw(bw: str) -> str:
+    return {"100mbit": "100 Mbit", "1gbit": "1 Gbit", "10gbit": "10 Gbit", SHM: "shm"}.get(bw, bw)
+
+
+def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
+    runs = report["runs"]
+    if not runs:
+        return "no runs\n"
+    first = runs[0]
+    lines = [f"# Whole training steps on shaped links (`hvdc bench e2e`)", "",
+             f"Measured {report['when']} with `{report['command'].strip()}` on {report['machine']}; "
+             f"{report['versions']}.", "",
+             f"Model `{first['model']}`: {first['parameters'] / 1e6:.2f}M parameters in {first['tensors']} tensors, "
+             f"synthetic inputs. One rank per emulated host, {first['threads_per_rank']} thread(s) per rank "
+             f"(the machine's cores shared out), `overlap=False` so the parts add up, warm-up steps off "
+             f"(they are dense steps). Each figure is the median of the measured steps; speedup = dense step "
+             f"time / method step time, measured in the same run.", ""]
+    lines += ["## What the links carry", "",
+              "A 16 MiB message per collective and a ring shift of 16 MiB point to point, against the nominal rate "
+              "(effective Gbit/s = bytes moved per rank x 8 / time); alpha = small-message time per latency round.", "",
+              "| P | link | p2p Gbit/s | allreduce Gbit/s | allgatherv Gbit/s | alltoallv Gbit/s | alpha allreduce (us) |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    for r in runs:
+        link = r["link"]
+        lines.append(f"| {r['world_size']} | {_fmt_bw(r['bandwidth'])} | {link['p2p']['carried_gbit']:.2f} | "
+                     f"{link['allreduce']['carried_gbit']:.2f} | {link['allgatherv']['carried_gbit']:.2f} | "
+                     f"{link['alltoallv']['carried_gbit']:.2f} | {link['allreduce']['alpha_us']:.0f} |")
+    labels = list(first["methods"])
+    cols = [(r["world_size"], r["bandwidth"]) for r in runs]
+    lines += ["", "## Speedup of a whole step over dense", "",
+              "| method | " + " | ".join(f"P={p} {_fmt_bw(b)}" for p, b in cols) + " | MB/step/rank P="
+              + ", ".join(str(p) for p in sorted({c[0] for c in cols})) + " |",
+              "|---|" + "---:|" * (len(cols) + 1)]
+    for label in labels:
+        cells = []
+        for r in runs:
+            m = r["methods"].get(label, {})
+            cells.append("error" if "error" in m else f"{m.get('speedup', float('nan')):.2f}x")
+        mb = []
+        for p in sorted({c[0] for c in cols}):
+            r = next(r for r in runs if r["world_size"] == p)
+            m = r["methods"].get(label, {})
+            mb.append("-" if "error" in m else f"{m['bytes_per_step'] / 1e6:.2f}")
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {', '.join(mb)} |")
+    for r in runs:
+        lines += ["", f"## Breakdown, P = {r['world_size']}, {_fmt_bw(r['bandwidth'])}", "",
+                  f"Seconds per step (mean over ranks of the median step). compress = the method's own "
+                  f"computation, shown also against a memcpy of the gradient ({r['memcpy_s'] * 1e3:.1f} ms); "
+                  f"comm = time inside MPI (including waiting for other ranks). Predicted: the alpha-beta model "
+                  f"fitted to this run's probes (per collective: max(rounds x alpha, {r.get('call_latency_us', 0):.0f} us "
+                  f"per call measured between bursts of CPU work) + bytes / carried rate), from each method's measured "
+                  f"bytes and calls; plus wait = the time a rank waits for the slowest peer's compute and compression "
+                  f"(measured per step, not predicted). Predicted step = CPU time x the measured core share "
+                  f"+ alpha-beta + wait.", "",
+                  "| method | step | speedup | compute | compress | compress / memcpy | comm | predicted: alpha-beta + wait = comm | comm model error | predicted step (error) | MB/step | break-even Gbit/s |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for label, m in r["methods"].items():
+            if "error" in m:
+                lines.append(f"| {label} | {m['error']} |" + " |" * 11)
+                continue
+            be = m.get("break_even_gbit", float("nan"))
+            be_s = "always" if be == float("inf") else ("never" if be == 0 else f"{be:.2f}")
+            if label == "none":
+                be_s = "-"
+            pr = m["predicted"]
+            lines.append(f"| {label} | {m['step_s']:.3f} | {m.get('speedup', float('nan')):.2f}x | "
+                         f"{m['compute_s']:.3f} | {m['compress_s']:.3f} | {m['compress_vs_memcpy']:.0f}x | "
+                         f"{m['comm_s']:.3f} | {pr['alpha_beta_s']:.3f} + {pr['wait_s']:.3f} = {pr['comm_s']:.3f} | "
+                         f"{100 * m['model_error']:+.0f}% | {pr['step_s']:.3f} ({100 * m['step_model_error']:+.0f}%) | "
+                         f"{m['bytes_per_step'] / 1e6:.2f} | {be_s} |")
+    checked = [(r, label, m) for r in runs if r["bandwidth"] in MODEL_CHECK for label, m in r["methods"].items()
+               if "error" not in m]
+    if checked:
+        ok = [c for c in checked if abs(c[2]["model_error"]) <= TOLERANCE]
+        lines += ["", "## The model against the measurement", "",
+                  f"Communication time within {TOLERANCE:.0%} of the prediction at 100 Mbit and 1 Gbit: "
+                  f"**{len(ok)} of {len(checked)}** (method, P, bandwidth) cases."]
+        bad = [c for c in checked if abs(c[2]["model_error"]) > TOLERANCE]
+        if bad:
+            lines.append("Outside: " + "; ".join(f"{label} P={r['world_size']} {_fmt_bw(r['bandwidth'])} "
+                                                 f"({100 * m['model_error']:+.0f}%)" for r, label, m in bad) + ".")
+    if plot:
+        lines += ["", f"![speedup against bandwidth]({plot})"]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ..cluster import parse_rate
+    runs = [r for r in report["runs"] if r["bandwidth"] != SHM]
+    if not runs:
+        return
+    ps = sorted({r["world_size"] for r in runs})
+    fig, axes = plt.subplots(1, len(ps), figsize=(7 * len(ps), 5), squeeze=False)
+    labels = list(runs[0]["methods"])
+    cmap = plt.get_cmap("tab20")
+    markers = "osD^v<>pPhX*"
+    for ax, p in zip(axes[0], ps):
+        rr = sorted((r for r in runs if r["world_size"] == p), key=lambda r: parse_rate(r["bandwidth"]))
+        xs = [parse_rate(r["bandwidth"]) / 1e9 for r in rr]
+        for i, label in enumerate(labels):
+            ys = [r["methods"].get(label, {}).get("speedup", float("nan")) for r in rr]
+            ax.plot(xs, ys, marker=markers[i % len(markers)], color=cmap(i % 20),
+                    linestyle="-" if i < 10 else "--", label=label)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("link bandwidth (Gbit/s, emulated)")
+        ax.set_ylabel("step speedup over dense")
+        ax.set_title(f"P = {p}, model {report['model']}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=7, ncol=2, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
