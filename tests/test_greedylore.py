@@ -16,13 +16,15 @@ from horovod_compress.compressors.greedylore import (
     GreedyLore,
     left_singular_vectors,
     probe_values,
+    shared_probe_values,
     working_matrix,
 )
 from horovod_compress.compressors.lowrank_common import should_compress, top_indices
 from horovod_compress.testing import run_cases
 
 CASES = Path(__file__).parent / "cases" / "lowrank_cases.py"
-ALL = ["case_greedylore_reference", "case_greedylore_unbiased", "case_greedylore_many_probes",
+ALL = ["case_greedylore_reference", "case_greedylore_reference_independent",
+       "case_greedylore_unbiased", "case_greedylore_many_probes",
        "case_greedylore_error_feedback", "case_contractive", "case_bytes", "case_edge_shapes",
        "case_checkpoint"]
 
@@ -37,9 +39,10 @@ def test_matches_dense_reference_of_algorithm3(mpi):
     """Outputs equal a float64 re-implementation from all ranks' data (m<n, m>n, 4-D),
     the selected columns are the reference's, and SVD steps give the exact average."""
     _p, res = mpi
-    for out in res["case_greedylore_reference"].values():
-        assert out["worst_rel"] < 1e-4
-        assert out["cols_equal"] and out["svd_exact"]
+    for case in ("case_greedylore_reference", "case_greedylore_reference_independent"):
+        for out in res[case].values():
+            assert out["worst_rel"] < 1e-4
+            assert out["cols_equal"] and out["svd_exact"]
 
 
 def test_score_estimator_is_unbiased_proposition4(mpi):
@@ -49,6 +52,8 @@ def test_score_estimator_is_unbiased_proposition4(mpi):
     _p, res = mpi
     for out in res["case_greedylore_unbiased"].values():
         ratio = np.array(out["ratio"])
+        assert np.all(np.abs(ratio - 1.0) < 0.12), ratio
+        ratio = np.array(out["ratio_independent"])       # the paper's per-column probes
         assert np.all(np.abs(ratio - 1.0) < 0.12), ratio
         assert np.max(np.abs(np.array(out["local_only_ratio"]) - 1.0)) > 0.2
 
@@ -79,6 +84,7 @@ def test_contractive_where_lazy_projection_is_not(mpi):
         assert out["lazy_err"] == pytest.approx(1.0, abs=1e-6)
         assert out["greedy_err"] < 1e-10
         assert out["mean_err"] < out["bound"] - 0.05
+        assert out["mean_err_independent"] < out["bound"] - 0.05
         assert out["worst_err"] <= 1.0 + 1e-6
 
 
@@ -142,6 +148,27 @@ def test_probe_values_are_u_j_a_xi_j():
     got = probe_values(u.T @ a, xi)
     want = np.array([[u[:, j] @ a @ xi[k, j] for k in range(3)] for j in range(4)])
     assert np.allclose(got, want)
+
+
+def test_shared_probe_values_are_u_j_a_xi_without_forming_u_t_a():
+    rng = np.random.default_rng(2)
+    u = np.linalg.qr(rng.standard_normal((5, 5)))[0]
+    a = rng.standard_normal((5, 7))
+    xi = rng.standard_normal((3, 7))
+    got = shared_probe_values(u, a, xi)
+    want = np.array([[u[:, j] @ a @ xi[k] for k in range(3)] for j in range(5)])
+    assert np.allclose(got, want)
+    # = the paper's formula with xi_j = xi for every column
+    assert np.allclose(got, probe_values(u.T @ a, np.broadcast_to(xi[:, None, :], (3, 5, 7))))
+
+
+def test_shared_probes_draw_n_numbers_per_probe():
+    m = GreedyLore(rank=2, probes=3)
+    assert m.probes_for("w", 5, 40, 60, np.float32).shape == (3, 60)
+    ind = GreedyLore(rank=2, probes=3, probe_mode="independent")
+    assert ind.probes_for("w", 5, 40, 60, np.float32).shape == (3, 40, 60)
+    with pytest.raises(ValueError, match="probe_mode"):
+        GreedyLore(probe_mode="rademacher")
 
 
 def test_top_indices_is_deterministic_with_ties():
