@@ -201,7 +201,8 @@ def break_even_bandwidth(profile: StepProfile, dense: StepProfile, network: Netw
     m = predict(profile, network, world_size)
     d = predict(dense, network, world_size)
     v_m, v_d = m.transfer_s * network.bytes_per_second, d.transfer_s * network.bytes_per_second
-    c_m, c_d = m.step_s - m.transfer_s, d.step_s - d.transfer_s
+    c_m = m.compute_s + m.compress_s + m.latency_s
+    c_d = d.compute_s + d.compress_s + d.latency_s
     dv, dc = v_d - v_m, c_m - c_d
     if dv <= 0:
         return math.inf if dc < 0 and dv == 0 else 0.0

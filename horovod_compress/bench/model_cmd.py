@@ -1,0 +1,129 @@
+"""``hvdc model``: predict step time, speedup and break-even bandwidth on your network.
+
+Takes each method's measured step profile from ``hvdc bench e2e``'s JSON
+(CPU time of compute and compression, bytes and calls per collective) and the
+alpha-beta model of :mod:`horovod_compress.cost_model`:
+
+    hvdc model                                   # 1 GbE, P of the measurement
+    hvdc model --network 10gbe --ranks 4 64 1024
+    hvdc model --network aries --plot benchmarks/model_aries.png
+    hvdc model --latency 2us --bandwidth 25gbit  # your own network
+
+Presets: shm, 1gbe, 10gbe, 100gbe, ib100, aries (typical published figures;
+see ``hvdc model --list``). Compression and compute times are the ones
+measured on the machine that ran the benchmark (one core per rank).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from ..cost_model import PRESETS, break_even_bandwidth, network_from, predict, speedup
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("model", help="alpha-beta model: step time, speedup, break-even bandwidth per method",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profiles", default="benchmarks/e2e.json", help="JSON written by hvdc bench e2e")
+    p.add_argument("--run", default=None, help="which measurement: 'P:bandwidth', e.g. 4:1gbit "
+                                               "(default: the largest P, its first bandwidth)")
+    p.add_argument("--network", default=None, help=f"preset: {', '.join(PRESETS)} (default 1gbe)")
+    p.add_argument("--latency", default=None, help="alpha, e.g. 5us (overrides the preset's)")
+    p.add_argument("--bandwidth", default=None, help="link rate, e.g. 25gbit (overrides the preset's)")
+    p.add_argument("--ranks", type=int, nargs="+", default=None, help="P values for the table")
+    p.add_argument("--plot", default=None, help="write speedup against P (2..1024) to this PNG")
+    p.add_argument("--list", action="store_true", help="list the network presets and exit")
+    p.set_defaults(func=run)
+
+
+def load_profiles(path: str, which: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(run, {label: StepProfile}) from an e2e JSON; ``which`` = 'P:bandwidth'."""
+    from .e2e import profile_of
+    file = Path(path)
+    if not file.exists():
+        raise ValueError(f"{path} not found: run `hvdc bench e2e` first (or pass --profiles)")
+    runs = json.loads(file.read_text())["runs"]
+    if not runs:
+        raise ValueError(f"{path} holds no runs")
+    if which:
+        p, _, bw = which.partition(":")
+        matches = [r for r in runs if str(r["world_size"]) == p and (not bw or r["bandwidth"] == bw)]
+        if not matches:
+            raise ValueError(f"no run {which!r} in {path}; it has "
+                             f"{sorted({(r['world_size'], r['bandwidth']) for r in runs})}")
+        run = matches[0]
+    else:
+        top = max(r["world_size"] for r in runs)
+        run = next(r for r in runs if r["world_size"] == top)
+    profiles = {label: profile_of(label, m, run["world_size"]) for label, m in run["methods"].items()
+                if "error" not in m}
+    if "none" not in profiles:
+        raise ValueError("the measurement has no dense ('none') profile to compare with")
+    return run, profiles
+
+
+def _bw(bits: float) -> str:
+    if math.isinf(bits):
+        return "any"
+    if bits <= 0:
+        return "never"
+    return f"{bits / 1e9:.3g} Gbit/s"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list:
+        for key, net in PRESETS.items():
+            print(f"{key:8s} {net.name:20s} alpha {net.alpha * 1e6:6.2f} us  {net.bandwidth / 1e9:6.1f} Gbit/s  "
+                  f"{net.note}")
+        return 0
+    net = network_from(args.network, args.latency, args.bandwidth)
+    run_, profiles = load_profiles(args.profiles, args.run)
+    dense = profiles["none"]
+    ranks = args.ranks or [run_["world_size"]]
+    print(f"network: {net.name} (alpha {net.alpha * 1e6:.2f} us, {net.bandwidth / 1e9:g} Gbit/s); profiles from "
+          f"{args.profiles}, P={run_['world_size']} {run_['bandwidth']}, model {run_.get('model')}")
+    head = "| method | " + " | ".join(f"P={p} step s (speedup)" for p in ranks) + \
+           f" | beats dense below (P={ranks[-1]}) |"
+    print(head)
+    print("|---|" + "---:|" * (len(ranks) + 1))
+    for label, prof in profiles.items():
+        cells = []
+        for p in ranks:
+            pr = predict(prof, net, p)
+            cells.append(f"{pr.step_s:.4f} ({speedup(prof, dense, net, p):.2f}x)")
+        be = "-" if label == "none" else _bw(break_even_bandwidth(prof, dense, net, ranks[-1]))
+        print(f"| {label} | " + " | ".join(cells) + f" | {be} |")
+    if args.plot:
+        plot_scaling(profiles, net, Path(args.plot))
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def plot_scaling(profiles: dict[str, Any], net: Any, path: Path, max_p: int = 1024) -> None:
+    """Predicted speedup over dense against P = 2 .. ``max_p`` on ``net``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ps = [2 ** i for i in range(1, int(math.log2(max_p)) + 1)]
+    dense = profiles["none"]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    cmap = plt.get_cmap("tab20")
+    markers = "osD^v<>pPhX*"
+    for i, (label, prof) in enumerate(profiles.items()):
+        ax.plot(ps, [speedup(prof, dense, net, p) for p in ps], marker=markers[i % len(markers)],
+                color=cmap(i % 20), linestyle="-" if i < 10 else "--", label=label)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("ranks P")
+    ax.set_ylabel("predicted step speedup over dense")
+    ax.set_title(f"alpha-beta model on {net.name}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,159 @@
+"""The emulated cluster (network namespaces + tc) and the alpha-beta cost model.
+
+The cluster tests need root and network namespaces; where those are not
+allowed they skip with the reason the cluster itself gives.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from horovod_compress.cluster import (ClusterSpec, ClusterUnavailable, EmulatedCluster, namespaces_of,
+                                      parse_rate, preflight)
+from horovod_compress.cost_model import (Network, OpCount, StepProfile, break_even_bandwidth, fit_link,
+                                         predict, speedup)
+
+CASES = Path(__file__).parent / "cases" / "cluster_cases.py"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cluster_or_skip(name: str) -> None:
+    try:
+        preflight(name)
+    except ClusterUnavailable as exc:
+        pytest.skip(f"emulated cluster unavailable here: {exc}")
+
+
+# ------------------------------------------------------------------ the model
+def _profile(method: str, p: int, nbytes: float, calls: int = 1, op: str = "allreduce",
+             compute: float = 0.1, compress: float = 0.0) -> StepProfile:
+    return StepProfile(method, p, compute, compress, {op: OpCount(calls, nbytes, nbytes)})
+
+
+def test_predict_is_alpha_beta():
+    net = Network("t", alpha=1e-4, bandwidth=8e9)            # 1 GB/s
+    prof = _profile("none", 4, 1e9 * 0.75, calls=2)           # 0.75 s of bytes, 2 allreduces
+    pr = predict(prof, net)
+    assert pr.transfer_s == pytest.approx(0.75)
+    assert pr.latency_s == pytest.approx(2 * 2 * math.log2(4) * 1e-4)   # 2 log2 P rounds per allreduce
+    assert pr.step_s == pytest.approx(0.1 + 0.75 + pr.latency_s)
+
+
+def test_volume_laws_scale_with_p():
+    dense = _profile("none", 4, 1.5e6)                        # 2N(P-1)/P with N = 1 MB
+    topk = _profile("topk", 4, 3e5, op="allgatherv")          # (P-1) parts
+    assert dense.scaled(1024).bytes_per_step == pytest.approx(2e6 * 1023 / 1024)
+    assert topk.scaled(1024).bytes_per_step == pytest.approx(1e5 * 1023)
+    gtopk = _profile("gtopk", 4, 2e5, op="p2p")
+    assert gtopk.scaled(64).bytes_per_step == pytest.approx(2e5 * 6 / 2)
+
+
+def test_break_even_bandwidth_closed_form():
+    net = Network("t", alpha=0.0, bandwidth=1e9)
+    dense = _profile("none", 4, 1e8, compute=0.1)
+    method = _profile("oktopk", 4, 1e6, compute=0.1, compress=0.05)
+    b = break_even_bandwidth(method, dense, net)
+    # 0.05 s of extra compute pays for (1e8 - 1e6) bytes at b bits/s
+    assert b == pytest.approx(8 * (1e8 - 1e6) / 0.05)
+    just_below, just_above = net.with_bandwidth(b * 0.99), net.with_bandwidth(b * 1.01)
+    assert speedup(method, dense, just_below) > 1 > speedup(method, dense, just_above)
+    assert break_even_bandwidth(dense, dense, net) == 0.0
+    free = _profile("oktopk", 4, 1e6, compute=0.1)
+    assert break_even_bandwidth(free, dense, net) == math.inf
+
+
+def test_fit_link_recovers_constants():
+    # an allreduce at P = 4 with alpha 50 us per round, at 80% of 1 Gbit
+    alpha, eff, p = 50e-6, 0.8, 4
+    nbytes = 24e6
+    small = 2 * math.log2(p) * alpha
+    large = small + nbytes / (eff * 1e9 / 8)
+    net = fit_link(1e9, {"allreduce": (small, large, nbytes, p)})
+    assert net.op_alpha["allreduce"] == pytest.approx(alpha)
+    assert net.efficiency["allreduce"] == pytest.approx(eff)
+
+
+def test_spec_validation():
+    assert parse_rate("100mbit") == 1e8 and parse_rate("10gbit") == 1e10
+    for bad in ({"bandwidth": "fast"}, {"hosts": 0}, {"name": "Bad-Name"}, {"subnet": "10.1"},
+                {"delay": "5 ms"}):
+        with pytest.raises(ValueError):
+            ClusterSpec(**bad)
+
+
+# ---------------------------------------------------------------- the cluster
+@pytest.mark.timeout(240)
+def test_compressed_allreduce_across_two_shaped_hosts(tmp_path):
+    name = f"t{os.getpid() % 100000}"
+    _cluster_or_skip(name)
+    spec = ClusterSpec(hosts=2, bandwidth="100mbit", name=name)
+    with EmulatedCluster(spec) as cluster:
+        assert sorted(namespaces_of(name)) == sorted(spec.namespaces)
+        cmd = ["mpirun", "-np", "2", sys.executable, "-m", "horovod_compress.testing", str(CASES),
+               str(tmp_path), "topk_across_hosts"]
+        proc = cluster.run(cmd, timeout=180, capture=True)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert namespaces_of(name) == []
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text())["topk_across_hosts"] for r in range(2)]
+    assert results[0]["netns"] != results[1]["netns"]            # two hosts, not one
+    # 4 MB each way over a 100 Mbit link cannot take less than 0.32 s (0.34 s at line rate)
+    assert min(r["seconds"] for r in results) > 0.3, results
+
+
+@pytest.mark.timeout(120)
+def test_nothing_left_after_a_failure():
+    name = f"f{os.getpid() % 100000}"
+    _cluster_or_skip(name)
+    with pytest.raises(RuntimeError, match="boom"):
+        with EmulatedCluster(ClusterSpec(hosts=2, name=name)) as cluster:
+            assert cluster.run(["false"]).returncode == 1
+            raise RuntimeError("boom")
+    assert namespaces_of(name) == []
+    # the CLI's ephemeral run: the command fails, the cluster goes away, the exit code comes back
+    rc = subprocess.call([sys.executable, "-m", "horovod_compress.cli", "cluster", "run", "--ephemeral",
+                          "--name", name, "--hosts", "2", "--", "sh", "-c", "exit 7"], cwd=ROOT)
+    assert rc == 7
+    assert namespaces_of(name) == []
+
+
+@pytest.mark.timeout(400)
+def test_bench_e2e_writes_its_tables(tmp_path):
+    name = f"e{os.getpid() % 100000}"
+    _cluster_or_skip(name)
+    out = tmp_path / "bench"
+    proc = subprocess.run([sys.executable, "-m", "horovod_compress.cli", "bench", "e2e", "--hosts", "2",
+                           "--bandwidths", "1gbit", "--model", "tiny", "--methods", "topk,oktopk",
+                           "--steps", "1", "--out", str(out), "--cluster-name", name],
+                          capture_output=True, text=True, cwd=ROOT, timeout=360)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert namespaces_of(name) == []
+    report = json.loads((out / "e2e.json").read_text())
+    run = report["runs"][0]
+    assert run["world_size"] == 2 and set(run["methods"]) == {"none", "topk", "oktopk"}
+    for label, m in run["methods"].items():
+        assert "error" not in m, (label, m)
+        assert m["step_s"] > 0 and m["predicted"]["comm_s"] > 0
+    assert run["methods"]["none"]["speedup"] == pytest.approx(1.0)
+    assert (out / "e2e.png").stat().st_size > 1000
+    assert "Speedup of a whole step over dense" in (out / "e2e.md").read_text()
+
+
+def test_communicator_times_mpi_calls():
+    import numpy as np
+
+    from horovod_compress.mpi_collectives import Communicator
+    comm = Communicator()
+    comm.allreduce(np.ones(1000, np.float32))
+    comm.allgatherv(np.ones(10, np.float32))        # nested allgather of counts counts once, as allgatherv
+    t = comm.timings()
+    assert set(t["by_op"]) == {"allreduce", "allgatherv"}
+    assert t["total"] == pytest.approx(sum(t["by_op"].values())) and t["total"] > 0
+    assert t["cpu_total"] >= 0
+    comm.reset_stats()
+    assert comm.timings() == {"total": 0, "by_op": {}, "cpu_total": 0.0}
