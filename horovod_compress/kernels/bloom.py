@@ -143,6 +143,33 @@ def _new_probe(pos: np.ndarray, t: int, j: int) -> bool:
 
 
 @njit(cache=True)
+def _sets_by_size(counts: np.ndarray) -> np.ndarray:
+    """Bit positions of the non-empty conflict sets by ascending size, ties by position.
+
+    A counting sort (sizes are at most the number of positives): O(m), the same
+    order as a stable argsort of the sizes, several times faster for big filters.
+    """
+    m = counts.size
+    maxc = 0
+    for q in range(m):
+        if counts[q] > maxc:
+            maxc = counts[q]
+    first = np.zeros(maxc + 2, np.int64)
+    for q in range(m):
+        if counts[q] > 0:
+            first[counts[q] + 1] += 1
+    for c in range(1, maxc + 2):
+        first[c] += first[c - 1]
+    order = np.empty(first[maxc + 1], np.int64)
+    for q in range(m):
+        c = counts[q]
+        if c > 0:
+            order[first[c]] = q
+            first[c] += 1
+    return order
+
+
+@njit(cache=True)
 def conflict_set_select(positives: np.ndarray, m: int, h: int, seed: np.uint64,
                         r: int, rng_seed: np.uint64) -> np.ndarray:
     """Policy P2 (Algorithm 1 of the paper): choose ``r`` positives through conflict sets.
@@ -155,6 +182,9 @@ def conflict_set_select(positives: np.ndarray, m: int, h: int, seed: np.uint64,
     of S, and S is a subset of the positives); a larger set contributes one of
     its not-yet-chosen items uniformly at random; exhausted sets are dropped.
     Stops as soon as ``r`` items are chosen. Returns them ascending.
+
+    O(|P| h + m): the sets are ordered by a counting sort on their sizes
+    (:func:`_sets_by_size`), not a comparison sort.
     """
     npos = positives.size
     if r >= npos:
@@ -167,6 +197,8 @@ def conflict_set_select(positives: np.ndarray, m: int, h: int, seed: np.uint64,
         for j in range(h):
             if _new_probe(pos, t, j):
                 counts[pos[t, j]] += 1
+            else:
+                pos[t, j] = -1          # a repeated probe: the item is in that set already
     starts = np.zeros(m + 1, np.int64)
     for q in range(m):
         starts[q + 1] = starts[q] + counts[q]
@@ -174,12 +206,11 @@ def conflict_set_select(positives: np.ndarray, m: int, h: int, seed: np.uint64,
     fill = starts[:m].copy()
     for t in range(npos):
         for j in range(h):
-            if _new_probe(pos, t, j):
-                q = pos[t, j]
+            q = pos[t, j]
+            if q >= 0:
                 members[fill[q]] = t
                 fill[q] += 1
-    nonempty = np.flatnonzero(counts > 0)
-    order = nonempty[np.argsort(counts[nonempty], kind="mergesort")]
+    order = _sets_by_size(counts)
     alive = np.ones(order.size, np.bool_)
     chosen = np.zeros(npos, np.bool_)
     nchosen = 0

@@ -77,6 +77,7 @@ def case_lossless_equals_dense_reference(comm):
 
 
 LOSSY = [dict(index="bloom", policy="p2", value="raw"),
+         dict(index="bloom", policy="p0", value="raw"),
          dict(index="bloom", policy="p1", value="polyfit"),
          dict(index="bloom", policy="naive", value="raw"),
          dict(index="bloom", policy="p0", value="qsgd"),
