@@ -325,7 +325,8 @@ def radix_bits_for(k: int, max_bits: int = 13) -> int:
 
 def distributed_kth_largest_abs(comm: Any, values: np.ndarray, k: int, *,
                                 key_range: tuple[int, int] | None = None, bits: int = 11,
-                                with_counts: bool = False, count_dtype: Any = np.int64) -> Any:
+                                with_counts: bool = False, count_dtype: Any = np.int64,
+                                gather_max_ranks: int = 8) -> Any:
     """Exact k-th largest ``|v|`` over the union of every rank's ``values``: a radix select.
 
     The keys (IEEE bit patterns of ``|v|``, which order like the magnitudes)
@@ -346,9 +347,10 @@ def distributed_kth_largest_abs(comm: Any, values: np.ndarray, k: int, *,
 
     With ``with_counts`` the function returns ``(threshold, counts)`` where
     ``counts[j]`` is how many of rank j's keys are ``>= threshold`` -- what
-    an allgatherv of the selection needs. For P <= 8 the last round is then an
-    allgather of the per-rank histograms instead of an allreduce (no extra
-    call); for larger P one extra allgather of one int64 per rank.
+    an allgatherv of the selection needs. For P <= ``gather_max_ranks`` (8)
+    the last round is then an allgather of the per-rank histograms instead of
+    an allreduce (no extra call; P times the bytes); for larger P one extra
+    allgather of one int64 per rank follows.
 
     This is Ok-Topk's ``th_re_evaluate`` (Algorithm 1, line 11) on values
     spread over the ranks: the exact k-th largest, as gathering the values
@@ -368,7 +370,7 @@ def distributed_kth_largest_abs(comm: Any, values: np.ndarray, k: int, *,
     above = 0                    # this rank's keys above the current interval
     base, width, want = lo, hi - lo + 1, int(k)
     shifts = radix_rounds(width, bits)
-    gather_last = with_counts and comm.size <= 8
+    gather_last = with_counts and comm.size <= gather_max_ranks
     counts = None
     for r, shift in enumerate(shifts):
         nb = ((width - 1) >> shift) + 1

@@ -401,6 +401,15 @@ def case_bisection_and_boundaries(comm):
             rounds = len(radix_rounds(int(hi) - lo + 1, 6))
             if p > 1:
                 assert st.get("allreduce", {"calls": 0})["calls"] + st["allgather"]["calls"] == rounds
+            # the large-P path: every round an allreduce, then one count allgather
+            comm.reset_stats()
+            got2, counts2 = distributed_kth_largest_abs(comm, vals.astype(dtype), k,
+                                                        key_range=(lo, int(hi)), bits=6,
+                                                        with_counts=True, gather_max_ranks=0)
+            assert got2 == got and np.array_equal(counts2, counts)
+            st = comm.stats()["by_op"]
+            if p > 1:
+                assert st["allreduce"]["calls"] == rounds and st["allgather"]["calls"] == 1
     n = 1000
     idx = np.sort(rng.choice(n, size=60, replace=False))
     prop = local_region_boundaries(idx, n, p)
