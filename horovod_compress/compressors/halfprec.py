@@ -3,7 +3,8 @@
 Each rank sends q_i = round16(x_i / P); ranks sum the 16-bit values with a
 custom MPI reduction operator (float32 add, then rounding back to 16 bits, as
 16-bit hardware arithmetic would); the result is widened to the gradient's
-dtype. Pre-dividing by P keeps the partial sums inside the 16-bit range, as
+dtype. Conversions and the operator's inner loop are compiled kernels on the
+bit patterns (:mod:`horovod_compress.kernels.halfprec`), one pass each. Pre-dividing by P keeps the partial sums inside the 16-bit range, as
 Horovod's ``gradient_predivide_factor`` does. Volume: N elements * 2 bytes
 through a ring allreduce, i.e. half the dense volume.
 """
@@ -13,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels.halfprec import bf16_bits_to_float32, float32_to_bf16_bits
+from ..kernels.halfprec import add16_into, decode16, encode16
 from .base import Method, TensorState
 from .registry import register
 
@@ -25,16 +26,8 @@ def _sum_op(kind: str) -> tuple[Any, Any]:
     if kind not in _OPS:
         from mpi4py import MPI
         dtype = MPI.BYTE.Create_contiguous(2).Commit()
-        if kind == "fp16":
-            def add(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-                a = np.frombuffer(inbuf, dtype=np.float16)
-                b = np.frombuffer(inoutbuf, dtype=np.float16)
-                np.add(a, b, out=b)
-        else:
-            def add(inbuf: Any, inoutbuf: Any, datatype: Any) -> None:
-                a = bf16_bits_to_float32(np.frombuffer(inbuf, dtype=np.uint16))
-                b = np.frombuffer(inoutbuf, dtype=np.uint16)
-                b[...] = float32_to_bf16_bits(a + bf16_bits_to_float32(b))
+        def add(inbuf: Any, inoutbuf: Any, datatype: Any, kind: str = kind) -> None:
+            add16_into(np.frombuffer(inbuf, dtype=np.uint16), np.frombuffer(inoutbuf, dtype=np.uint16), kind)
         _OPS[kind] = (dtype, MPI.Op.Create(add, commute=True))
     return _OPS[kind]
 
@@ -47,16 +40,12 @@ class _HalfPrecision(Method):
         super().__init__(seed=seed)
 
     def encode(self, x: np.ndarray, world_size: int) -> np.ndarray:
-        """16-bit words of x / P (float16 or bfloat16 bit patterns)."""
-        scaled = np.asarray(x, dtype=np.float32) / np.float32(world_size)
-        if self.kind == "fp16":
-            return scaled.astype(np.float16)
-        return float32_to_bf16_bits(scaled)
+        """16-bit words of x / P (float16 or bfloat16 bit patterns, one fused pass)."""
+        return encode16(x, self.kind, scale=1.0 / world_size)
 
-    def decode(self, words: np.ndarray) -> np.ndarray:
-        if self.kind == "fp16":
-            return words.astype(np.float32)
-        return bf16_bits_to_float32(words)
+    def decode(self, words: np.ndarray, scale: float = 1.0) -> np.ndarray:
+        """float32 values of the 16-bit words times ``scale``."""
+        return decode16(words, self.kind, scale=scale)
 
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
                 state: TensorState) -> tuple[np.ndarray, np.ndarray]:
@@ -68,7 +57,7 @@ class _HalfPrecision(Method):
         vol = 2.0 * words.nbytes * (comm.size - 1) / comm.size
         comm._account("allreduce", vol, vol)
         avg = self.decode(out).astype(x.dtype, copy=False).reshape(x.shape)
-        local = (self.decode(words) * np.float32(comm.size)).astype(x.dtype).reshape(x.shape)
+        local = self.decode(words, scale=comm.size).astype(x.dtype, copy=False).reshape(x.shape)
         return avg, local
 
     def expected_bytes(self, shape: tuple[int, ...], world_size: int, itemsize: int = 4) -> float:
