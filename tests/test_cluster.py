@@ -157,3 +157,26 @@ def test_communicator_times_mpi_calls():
     assert t["cpu_total"] >= 0
     comm.reset_stats()
     assert comm.timings() == {"total": 0, "by_op": {}, "cpu_total": 0.0}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_nothing_left_after_an_interrupt(signame):
+    import signal
+    import time
+    name = f"i{os.getpid() % 100000}{signame[3].lower()}"
+    _cluster_or_skip(name)
+    script = (f"from horovod_compress.cluster import *\n"
+              f"with EmulatedCluster(ClusterSpec(hosts=2, name={name!r})):\n"
+              f"    print('up', flush=True)\n"
+              f"    import time; time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    assert proc.stdout.readline().strip() == "up"
+    assert len(namespaces_of(name)) == 3
+    proc.send_signal(getattr(signal, signame))
+    proc.wait(timeout=60)
+    assert proc.returncode != 0
+    deadline = time.monotonic() + 10
+    while namespaces_of(name) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert namespaces_of(name) == []
