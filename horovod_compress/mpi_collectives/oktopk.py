@@ -59,7 +59,8 @@ and correct (each documented where it acts):
   evaluated) is re-evaluated instead of reused, so an all-zero start cannot
   turn into dense messages later;
 * a reused local threshold that selects more than ``local_guard * k``
-  entries (default 2k) is re-evaluated on the spot -- local work only;
+  entries (default 2k) is re-evaluated on the spot -- local work only, and
+  only over the entries it selected (they contain the true top k);
 * a reused global threshold whose candidates total more than
   ``global_guard * k`` (default 2k; every rank knows the total after the
   count allgather) is replaced by the exact k-th largest ``|v|`` of the
@@ -496,8 +497,12 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
     idx, val = dispatch.call("select_by_threshold", acc, th)
     local_reused = int(idx.size)
     if not exact_local and idx.size > schedule.local_guard * k:
-        th = dispatch.call("kth_largest_abs", acc, k)
-        idx, val = dispatch.call("select_by_threshold", acc, th)
+        # the stale selection has more than k entries, so it holds the true top k: the
+        # exact k-th largest |acc| is found among these candidates and selected from
+        # them (O(candidates), not two more O(n) passes over acc; same result)
+        th = dispatch.call("kth_largest_abs", val, k)
+        pos, val = dispatch.call("select_by_threshold", val, th)
+        idx = idx[pos]
         exact_local = True
     idx, val = to_host(idx), to_host(val)
     state["local_th"] = (th if exact_local else
