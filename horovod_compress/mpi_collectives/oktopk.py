@@ -593,5 +593,6 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
 
 __all__ = ["OkTopkResult", "OkTopkSchedule", "abs_key", "agree_boundaries", "balance",
            "balance_and_allgatherv", "balanced_shares", "distributed_kth_largest_abs",
-           "local_region_boundaries", "max_abs_key", "radix_bits_for", "radix_rounds", "repartition_due", "rotation_schedule",
-           "ok_sparse_allreduce", "region_cuts", "split_and_reduce"]
+           "local_region_boundaries", "max_abs_key", "radix_bits_for", "radix_rounds",
+           "repartition_due", "rotation_schedule", "ok_sparse_allreduce", "region_cuts",
+           "split_and_reduce"]
