@@ -180,3 +180,24 @@ def test_nothing_left_after_an_interrupt(signame):
     while namespaces_of(name) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert namespaces_of(name) == []
+
+
+@pytest.mark.timeout(120)
+def test_up_refuses_to_rebuild_a_cluster_in_use():
+    import time
+
+    from horovod_compress.cluster import ClusterError, up
+    name = f"u{os.getpid() % 100000}"
+    _cluster_or_skip(name)
+    with EmulatedCluster(ClusterSpec(hosts=2, name=name, bandwidth="1gbit")) as cluster:
+        job = subprocess.Popen(["ip", "netns", "exec", cluster.spec.host(1), "sleep", "30"])
+        try:
+            time.sleep(0.3)
+            assert up(ClusterSpec(hosts=2, name=name, bandwidth="1gbit")) == cluster.spec   # same: kept
+            with pytest.raises(ClusterError, match="in use"):
+                up(ClusterSpec(hosts=2, name=name, bandwidth="100mbit"))
+            assert job.poll() is None                                                     # not killed
+        finally:
+            job.kill()
+            job.wait()
+    assert namespaces_of(name) == []

@@ -55,8 +55,9 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default="benchmarks", help="directory for the results")
     p.add_argument("--name", default="e2e", help="file stem of the results")
     p.add_argument("--no-cluster", action="store_true", help="run on shared memory (no namespaces, no shaping)")
-    p.add_argument("--cluster-name", default="hvdce2e", help="name of the emulated cluster it builds")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per (P, bandwidth) run")
+    p.add_argument("--cluster-name", default=None,
+                   help="name of the emulated cluster it builds (default: e2e<pid>, so runs never share one)")
+    p.add_argument("--timeout", type=float, default=1200, help="seconds per (P, bandwidth) run")
     p.add_argument("--rerender", metavar="JSON", default=None,
                    help="re-analyse and re-render an earlier run's JSON (no measurement)")
     p.set_defaults(func=run)
@@ -101,18 +102,30 @@ def _worker_command(p: int, methods: list[str], args: argparse.Namespace, json_p
 
 def _stream(cmd: list[str], env: dict[str, str], bar: Any, label: str, timeout: float) -> None:
     """Run the workers, advancing ``bar`` on each progress line; raise with stderr's tail on failure."""
+    import threading
     with tempfile.TemporaryFile(mode="w+") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        expired = threading.Event()
+
+        def expire() -> None:          # a hung job must not hang the benchmark
+            expired.set()
+            proc.kill()
+        timer = threading.Timer(timeout, expire)
+        timer.start()
         try:
             for line in proc.stdout:
                 if line.startswith("HVDC-PROGRESS "):
                     bar.set_postfix_str(f"{label} {line.split(' ', 1)[1].strip()}")
                     bar.update(1)
-            rc = proc.wait(timeout=timeout)
+            rc = proc.wait()
         except BaseException:
             proc.kill()
             proc.wait()
             raise
+        finally:
+            timer.cancel()
+        if expired.is_set():
+            raise RuntimeError(f"benchmark workers at {label} did not finish within {timeout:.0f} s (--timeout)")
         if rc != 0:
             err.seek(0)
             raise RuntimeError(f"benchmark workers failed (exit {rc}) at {label}:\n{err.read()[-4000:]}")
@@ -156,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
                 _stream(_worker_command(p, methods, args, path, True), env, bar, f"P={p} shm", args.timeout)
                 runs.append({"bandwidth": SHM, **json.loads(Path(path).read_text())})
                 continue
-            spec = ClusterSpec(hosts=p, bandwidth=bws[0], name=args.cluster_name)
+            spec = ClusterSpec(hosts=p, bandwidth=bws[0], name=args.cluster_name or f"e2e{os.getpid() % 10**8}")
             with EmulatedCluster(spec) as cluster:
                 for bw in bws:
                     cluster.reshape(bw)

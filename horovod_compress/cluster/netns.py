@@ -216,6 +216,12 @@ def up(spec: ClusterSpec) -> ClusterSpec:
     current = load_spec(spec.name)
     if current == spec:
         return spec
+    busy = processes_in(spec.name)
+    if busy:
+        raise ClusterError(
+            f"cluster {spec.name!r} is up with other settings and in use (pids {busy[:8]}); rebuilding it would cut "
+            f"those jobs off their links. Wait for them, run `hvdc cluster down --name {spec.name}`, or pick "
+            f"another --name")
     preflight(spec.name)
     if spec.delay is not None and not netem_available():
         raise ClusterUnavailable(
@@ -277,6 +283,14 @@ def namespaces_of(name: str) -> list[str]:
     """The namespaces that belong to cluster ``name`` (whatever its host count was)."""
     pattern = re.compile(rf"^{re.escape(name)}-(sw|h\d+)$")
     return [ns for ns in existing_namespaces() if pattern.match(ns)]
+
+
+def processes_in(name: str) -> list[int]:
+    """Pids of the processes running inside cluster ``name``'s namespaces."""
+    pids: list[int] = []
+    for ns in namespaces_of(name):
+        pids += [int(p) for p in _run(["ip", "netns", "pids", ns], check=False).stdout.split() if p.isdigit()]
+    return pids
 
 
 def down(name: str = "hvdc") -> list[str]:
