@@ -142,6 +142,19 @@ def test_bench_e2e_writes_its_tables(tmp_path):
     assert run["methods"]["none"]["speedup"] == pytest.approx(1.0)
     assert (out / "e2e.png").stat().st_size > 1000
     assert "Speedup of a whole step over dense" in (out / "e2e.md").read_text()
+    # hvdc model reads those profiles: a row per method, dense at 1.00x, a break-even for the others
+    table = out / "model.md"
+    proc = subprocess.run([sys.executable, "-m", "horovod_compress.cli", "model", "--profiles",
+                           str(out / "e2e.json"), "--network", "10gbe", "--ranks", "2", "1024", "--out", str(table),
+                           "--plot", str(out / "model.png")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in table.read_text().splitlines()
+            if line.startswith("| ") and "method" not in line}
+    assert set(rows) == {"none", "topk", "oktopk"}
+    assert "(1.00x), -" in rows["none"]
+    cells = [c.strip() for c in rows["oktopk"].split("|")[2:-1]]
+    assert len(cells) == 2 and all(c.endswith(("Gbit/s", "any", "never")) for c in cells), cells
+    assert (out / "model.png").stat().st_size > 1000
 
 
 def test_communicator_times_mpi_calls():

@@ -29,12 +29,13 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--profiles", default="benchmarks/e2e.json", help="JSON written by hvdc bench e2e")
     p.add_argument("--run", default=None, help="which measurement: 'P:bandwidth', e.g. 4:1gbit "
-                                               "(default: the largest P, its first bandwidth)")
+                                               "(default: the largest P, at 1gbit if measured)")
     p.add_argument("--network", default=None, help=f"preset: {', '.join(PRESETS)} (default 1gbe)")
     p.add_argument("--latency", default=None, help="alpha, e.g. 5us (overrides the preset's)")
     p.add_argument("--bandwidth", default=None, help="link rate, e.g. 25gbit (overrides the preset's)")
     p.add_argument("--ranks", type=int, nargs="+", default=None, help="P values for the table")
     p.add_argument("--plot", default=None, help="write speedup against P (2..1024) to this PNG")
+    p.add_argument("--out", default=None, help="also write the table to this Markdown file")
     p.add_argument("--list", action="store_true", help="list the network presets and exit")
     p.set_defaults(func=run)
 
@@ -56,8 +57,8 @@ def load_profiles(path: str, which: str | None) -> tuple[dict[str, Any], dict[st
                              f"{sorted({(r['world_size'], r['bandwidth']) for r in runs})}")
         run = matches[0]
     else:
-        top = max(r["world_size"] for r in runs)
-        run = next(r for r in runs if r["world_size"] == top)
+        top = [r for r in runs if r["world_size"] == max(r["world_size"] for r in runs)]
+        run = next((r for r in top if r["bandwidth"] == "1gbit"), top[0])
     profiles = {label: profile_of(label, m, run["world_size"]) for label, m in run["methods"].items()
                 if "error" not in m}
     if "none" not in profiles:
@@ -81,25 +82,36 @@ def run(args: argparse.Namespace) -> int:
         return 0
     net = network_from(args.network, args.latency, args.bandwidth)
     run_, profiles = load_profiles(args.profiles, args.run)
-    dense = profiles["none"]
     ranks = args.ranks or [run_["world_size"]]
-    print(f"network: {net.name} (alpha {net.alpha * 1e6:.2f} us, {net.bandwidth / 1e9:g} Gbit/s); profiles from "
-          f"{args.profiles}, P={run_['world_size']} {run_['bandwidth']}, model {run_.get('model')}")
-    head = "| method | " + " | ".join(f"P={p} step s (speedup)" for p in ranks) + \
-           f" | beats dense below (P={ranks[-1]}) |"
-    print(head)
-    print("|---|" + "---:|" * (len(ranks) + 1))
-    for label, prof in profiles.items():
-        cells = []
-        for p in ranks:
-            pr = predict(prof, net, p)
-            cells.append(f"{pr.step_s:.4f} ({speedup(prof, dense, net, p):.2f}x)")
-        be = "-" if label == "none" else _bw(break_even_bandwidth(prof, dense, net, ranks[-1]))
-        print(f"| {label} | " + " | ".join(cells) + f" | {be} |")
+    text = render(profiles, net, ranks, f"{args.profiles}, measured at P={run_['world_size']} "
+                                        f"{run_['bandwidth']}, model {run_.get('model')}")
+    print(text)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text)
+        print(f"table: {args.out}")
     if args.plot:
         plot_scaling(profiles, net, Path(args.plot))
         print(f"plot: {args.plot}")
     return 0
+
+
+def render(profiles: dict[str, Any], net: Any, ranks: list[int], source: str) -> str:
+    """Markdown: predicted step time, speedup and break-even bandwidth per method and P."""
+    dense = profiles["none"]
+    lines = [f"Network: {net.name} (alpha {net.alpha * 1e6:.2f} us, {net.bandwidth / 1e9:g} Gbit/s); "
+             f"profiles from {source}. Break-even: the bandwidth below which the method's step is faster "
+             f"than dense.", "",
+             "| method | " + " | ".join(f"P={p}: step s (speedup), break-even" for p in ranks) + " |",
+             "|---|" + "---:|" * len(ranks)]
+    for label, prof in profiles.items():
+        cells = []
+        for p in ranks:
+            pr = predict(prof, net, p)
+            be = "-" if label == "none" else _bw(break_even_bandwidth(prof, dense, net, p))
+            cells.append(f"{pr.step_s:.3f} ({speedup(prof, dense, net, p):.2f}x), {be}")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot_scaling(profiles: dict[str, Any], net: Any, path: Path, max_p: int = 1024) -> None:
