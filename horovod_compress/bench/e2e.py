@@ -113,10 +113,13 @@ def _stream(cmd: list[str], env: dict[str, str], bar: Any, label: str, timeout: 
         timer = threading.Timer(timeout, expire)
         timer.start()
         try:
+            other: list[str] = []
             for line in proc.stdout:
                 if line.startswith("HVDC-PROGRESS "):
                     bar.set_postfix_str(f"{label} {line.split(' ', 1)[1].strip()}")
                     bar.update(1)
+                else:
+                    other = (other + [line])[-50:]
             rc = proc.wait()
         except BaseException:
             proc.kill()
@@ -128,7 +131,8 @@ def _stream(cmd: list[str], env: dict[str, str], bar: Any, label: str, timeout: 
             raise RuntimeError(f"benchmark workers at {label} did not finish within {timeout:.0f} s (--timeout)")
         if rc != 0:
             err.seek(0)
-            raise RuntimeError(f"benchmark workers failed (exit {rc}) at {label}:\n{err.read()[-4000:]}")
+            raise RuntimeError(f"benchmark workers failed (exit {rc}) at {label}:\n{''.join(other)[-2000:]}"
+                               f"{err.read()[-4000:]}")
 
 
 def run(args: argparse.Namespace) -> int:
