@@ -183,6 +183,10 @@ def run(args: argparse.Namespace) -> int:
                     _stream(cmd, cluster_env(cluster.spec, p), bar, f"P={p} {bw}", args.timeout)
                     runs.append({"bandwidth": bw, **json.loads(Path(path).read_text())})
     report = analyse(runs, args)
+    if not args.no_cluster:
+        from ..cluster import namespaces_of
+        name = args.cluster_name or f"e2e{os.getpid() % 10**8}"
+        report["namespaces_left"] = namespaces_of(name)
     write_results(report, Path(args.out), args.name)
     print(render_markdown(report))
     return 0
@@ -364,6 +368,10 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
         if bad:
             lines.append("Outside: " + "; ".join(f"{label} P={r['world_size']} {_fmt_bw(r['bandwidth'])} "
                                                  f"({100 * m['model_error']:+.0f}%)" for r, label, m in bad) + ".")
+    if "namespaces_left" in report:
+        left = report["namespaces_left"]
+        lines += ["", "After the run: " + (f"**namespaces left behind: {left}**" if left else
+                                           "`ip netns list` shows none of the run's namespaces (torn down).")]
     if plot:
         lines += ["", f"![speedup against bandwidth]({plot})"]
     return "\n".join(lines) + "\n"
