@@ -34,7 +34,7 @@ from ..kernels.selection import (
 )
 from .base import Method, TensorState
 from .registry import register
-from .sparse_common import check_density, k_from_density
+from .sparse_common import check_density, k_from_density, sparse_local
 
 ADJUST_FACTOR = 1.012
 ADJUST_MAX_STEPS = 50
@@ -101,10 +101,8 @@ class Gaussiank(Method):
         idx, val = select_by_threshold(flat, th)
         state["threshold"] = float(th)
         state["selected"] = int(idx.size)
-        total = allgatherv_sum(comm, idx, val, flat.size)
-        avg = total / flat.dtype.type(comm.size)
-        local = np.zeros_like(flat)
-        local[idx] = val
+        avg = allgatherv_sum(comm, idx, val, flat.size, scale=1.0 / comm.size)
+        local = sparse_local(self, name, flat.size, flat.dtype, idx, flat)
         return avg.reshape(x.shape), local.reshape(x.shape)
 
 

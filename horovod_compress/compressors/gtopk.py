@@ -22,7 +22,7 @@ import numpy as np
 
 from .base import TensorState
 from .registry import register
-from .sparse_common import DensitySparsifier, k_from_density, topk_indices
+from .sparse_common import DensitySparsifier, k_from_density, sparse_local, topk_indices
 
 
 @register
@@ -45,8 +45,7 @@ class GTopk(DensitySparsifier):
         avg = np.zeros_like(flat)
         avg[g_idx] = g_val / flat.dtype.type(comm.size)
         involved = np.intersect1d(idx, g_idx, assume_unique=True)
-        local = np.zeros_like(flat)
-        local[involved] = flat[involved]
+        local = sparse_local(self, name, flat.size, flat.dtype, involved, flat)
         return avg.reshape(x.shape), local.reshape(x.shape)
 
 

@@ -27,9 +27,15 @@ def check_density(method: str, density: float) -> float:
 
 
 def topk_indices(x: np.ndarray, k: int) -> np.ndarray:
-    """Indices of the k largest |x| (unordered, int64); exact, O(n) via introselect.
+    """Indices of the k largest |x| (int64, k distinct indices); exact, O(n).
 
-    NumPy or CuPy (``xp.argpartition``) by the type of ``x``.
+    NumPy float32/float64 vectors: the k-th largest magnitude ``t`` by the
+    project's radix select (:func:`~horovod_compress.kernels.selection.kth_largest_abs`,
+    two passes for float32), then one pass keeping ``|x_j| > t`` and the
+    first ties ``|x_j| == t`` (:func:`~horovod_compress.kernels.scatter.topk_coo`),
+    in ascending index order. When ``x`` has fewer than k nonzeros, or on
+    CuPy, ``xp.argpartition`` (introselect) picks k distinct indices, zeros
+    included, as before.
     """
     xp = get_array_module(x)
     n = x.size
@@ -37,7 +43,38 @@ def topk_indices(x: np.ndarray, k: int) -> np.ndarray:
         return xp.arange(n)
     if k <= 0:
         return xp.empty(0, dtype=np.int64)
+    if xp is np and x.dtype in (np.float32, np.float64):
+        flat = np.ascontiguousarray(x).reshape(-1)
+        idx, _val, real = exact_topk_coo(flat, k)
+        if real == k:
+            return idx
     return xp.argpartition(xp.abs(x), n - k)[n - k:]
+
+
+def exact_topk_coo(flat: np.ndarray, k: int, index_dtype: Any = np.int64,
+                   out_idx: np.ndarray | None = None,
+                   out_val: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+    """Exact top-k of a flat NumPy float vector as ``(indices, values, real)`` of length k.
+
+    Two radix passes find the k-th largest magnitude, one more emits the
+    entries above it and the first ties (ascending index order), then
+    ``k - real`` padding pairs ``(0, 0.0)`` when ``flat`` has fewer than k
+    nonzeros (:mod:`horovod_compress.kernels.scatter`). ``out_idx``/``out_val``
+    (length >= k) are written in place when given -- e.g. the two halves of a
+    COO message buffer.
+    """
+    from ..kernels.scatter import topk_coo
+    from ..kernels.selection import kth_largest_abs
+
+    if out_idx is None:
+        out_idx = np.empty(k, index_dtype)
+    if out_val is None:
+        out_val = np.empty(k, flat.dtype)
+    if k <= 0:
+        return out_idx[:0], out_val[:0], 0
+    thr = kth_largest_abs(flat, k)
+    real = topk_coo(flat, thr, k, out_idx, out_val)
+    return out_idx, out_val, real
 
 
 def pack_coo(indices: np.ndarray, values: np.ndarray) -> np.ndarray:
@@ -56,12 +93,35 @@ def unpack_coo(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return get_array_module(buf).ascontiguousarray(buf[:k]).view(np.int32), buf[k:]
 
 
-def scatter_sum(n: int, indices: np.ndarray, values: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Dense length-n vector with ``values`` summed at ``indices`` (duplicates add; NumPy or CuPy)."""
+def scatter_sum(n: int, indices: np.ndarray, values: np.ndarray, dtype: np.dtype,
+                scale: float = 1.0) -> np.ndarray:
+    """Dense length-n vector ``scale * sum`` of ``values`` at ``indices`` (duplicates add).
+
+    NumPy: a compiled scatter-add in ``dtype`` into fresh zeros
+    (:func:`~horovod_compress.kernels.scatter.scatter_add`); ``scale`` is
+    applied per value when it is a power of two's reciprocal (exact, so equal
+    to scaling the sum) and to the sum otherwise. float64 ``values`` for a
+    narrower ``dtype`` (a caller asking for a float64 sum, e.g. DeepReduce)
+    and CuPy arrays: ``bincount`` in float64, then the cast and the scale.
+    """
     xp = get_array_module(values)
+    if xp is np and not (values.dtype == np.float64 and np.dtype(dtype) != np.float64):
+        from ..kernels.scatter import scatter_add
+        out = np.zeros(n, dtype=dtype)
+        exact = scale == 1.0 or (1.0 / scale).is_integer() and _pow2(int(1.0 / scale))
+        scatter_add(out, indices, values, scale if exact else 1.0)
+        if not exact:
+            out *= out.dtype.type(scale)
+        return out
     if indices.size == 0:
-        return xp.zeros(n, dtype=dtype)
-    return xp.bincount(indices, weights=values, minlength=n).astype(dtype, copy=False)
+        out = xp.zeros(n, dtype=dtype)
+    else:
+        out = xp.bincount(indices, weights=values, minlength=n).astype(dtype, copy=False)
+    return out if scale == 1.0 else out * out.dtype.type(scale)
+
+
+def _pow2(p: int) -> bool:
+    return p > 0 and (p & (p - 1)) == 0
 
 
 class DensitySparsifier(Method):
@@ -82,3 +142,23 @@ class DensitySparsifier(Method):
 
     def params(self) -> dict[str, Any]:
         return {"density": self.density, **self.feedback.params()}
+
+
+def sparse_local(method: Any, name: str, n: int, dtype: np.dtype, idx: np.ndarray,
+                 src: np.ndarray, count: int | None = None) -> np.ndarray:
+    """The dense ``local`` of ``_reduce``: ``src`` at the first ``count`` of ``idx``, zeros elsewhere.
+
+    NumPy: a per-(method, tensor) reused buffer whose previous entries are
+    erased in O(k) (:class:`~horovod_compress.kernels.scatter.SparseScratch`);
+    valid until the next call for ``name`` -- error feedback consumes
+    ``local`` within the call. CuPy: fresh zeros and a scatter.
+    """
+    xp = get_array_module(src)
+    if xp is not np:
+        local = xp.zeros(n, dtype=dtype)
+        sel = idx if count is None else idx[:count]
+        local[sel] = src[sel]
+        return local
+    from ..kernels.scatter import SparseScratch
+    scratch = method.__dict__.setdefault("_local_scratch", {}).setdefault(name, SparseScratch())
+    return scratch.fill(n, dtype, idx, src, count)

@@ -9,6 +9,15 @@ allgather variant). All ranks allgather the 2k-word COO messages and sum:
 Volume per rank: 2k(P-1) words received (and sent, ring allgather), which
 grows linearly with P -- the problem Ok-Topk solves. Biased, so the default
 feedback is ``residual`` (EF14): what was not sent stays in e_i.
+
+CPU hot path (issue 21): the k-th largest ``|x_i|`` by a two-pass radix
+select, one pass that writes the exact top-k (above the threshold, then the
+first ties) straight into the two halves of the COO message, a compiled
+float32 scatter-add of the P gathered messages (scaled by 1/P per value when P
+is a power of two -- exact -- else once after the sum), and the dense
+``local`` kept in a reused buffer whose k entries are erased next step. A
+rank with fewer than k nonzeros pads its message with ``(0, 0.0)`` pairs.
+CuPy (and float64) inputs keep the ``xp.argpartition`` / ``bincount`` path.
 """
 from __future__ import annotations
 
@@ -21,9 +30,11 @@ from .base import TensorState
 from .registry import register
 from .sparse_common import (
     DensitySparsifier,
+    exact_topk_coo,
     k_from_density,
     pack_coo,
     scatter_sum,
+    sparse_local,
     topk_indices,
     unpack_coo,
 )
@@ -43,6 +54,8 @@ class TopkA(DensitySparsifier):
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
                 state: TensorState) -> tuple[np.ndarray, np.ndarray]:
         xp = get_array_module(x)
+        if xp is np and x.dtype == np.float32:
+            return self._reduce_cpu(x, name, comm)
         flat = x.reshape(-1)
         idx = self.select(flat)
         gathered = comm.allgather(pack_coo(idx, flat[idx]))  # (P, 2k) words
@@ -54,6 +67,22 @@ class TopkA(DensitySparsifier):
         local = xp.zeros_like(flat)
         local[idx] = flat[idx]
         return avg, local.reshape(x.shape)
+
+    def _reduce_cpu(self, x: np.ndarray, name: str, comm: Any) -> tuple[np.ndarray, np.ndarray]:
+        """NumPy path: select into the message, allgather, compiled scatter-add (see module doc)."""
+        flat = np.ascontiguousarray(x).reshape(-1)
+        n = flat.size
+        k = k_from_density(self.name, self.density, n)
+        itype = np.int32
+        msg = np.empty(2 * k, np.float32)
+        idx, _val, real = exact_topk_coo(flat, k, out_idx=msg[:k].view(itype),
+                                         out_val=msg[k:])
+        gathered = comm.allgather(msg)  # (P, 2k) words
+        all_idx = np.ascontiguousarray(gathered[:, :k]).view(itype).reshape(-1)
+        all_val = np.ascontiguousarray(gathered[:, k:]).reshape(-1)
+        avg = scatter_sum(n, all_idx, all_val, flat.dtype, scale=1.0 / comm.size)
+        local = sparse_local(self, name, n, flat.dtype, idx, flat, real)
+        return avg.reshape(x.shape), local.reshape(x.shape)
 
     def expected_bytes(self, shape: tuple[int, ...], world_size: int, itemsize: int = 4) -> float:
         k = k_from_density(self.name, self.density, int(np.prod(shape)))

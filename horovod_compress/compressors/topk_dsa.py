@@ -22,7 +22,7 @@ import numpy as np
 
 from .base import TensorState
 from .registry import register
-from .sparse_common import DensitySparsifier, k_from_density, topk_indices
+from .sparse_common import DensitySparsifier, k_from_density, sparse_local, topk_indices
 
 
 @register
@@ -43,8 +43,7 @@ class TopkDSA(DensitySparsifier):
         total, info = dsa_allreduce(comm, idx, flat[idx], flat.size)
         state["fill_in"] = int(info["nnz"])
         avg = total / flat.dtype.type(comm.size)
-        local = np.zeros_like(flat)
-        local[idx] = flat[idx]
+        local = sparse_local(self, name, flat.size, flat.dtype, idx, flat)
         return avg.reshape(x.shape), local.reshape(x.shape)
 
 

@@ -40,23 +40,29 @@ from .coo_messages import (
 TAG_GTOPK = 7311
 
 
-def _dense_sum(n: int, indices: np.ndarray, values: np.ndarray, dtype: np.dtype) -> np.ndarray:
-    if indices.size == 0:
-        return np.zeros(n, dtype=dtype)
-    return np.bincount(indices, weights=values.astype(np.float64), minlength=n).astype(dtype)
+def _dense_sum(n: int, indices: np.ndarray, values: np.ndarray, dtype: np.dtype,
+               scale: float = 1.0) -> np.ndarray:
+    """``scale * sum`` of a COO list as a dense length-n vector in ``dtype``.
+
+    A compiled scatter-add in ``dtype`` (:func:`compressors.sparse_common.scatter_sum`:
+    no float64 ``bincount`` temporary; ``scale`` exact per value for 1/2^m).
+    """
+    from ..compressors.sparse_common import scatter_sum
+    return scatter_sum(n, indices, np.asarray(values, dtype=dtype), dtype, scale=scale)
 
 
 # ------------------------------------------------------------------ TopkA
-def allgatherv_sum(comm: Any, indices: np.ndarray, values: np.ndarray, n: int) -> np.ndarray:
-    """``sum_i (indices_i, values_i)`` as a dense length-n vector, via one allgatherv.
+def allgatherv_sum(comm: Any, indices: np.ndarray, values: np.ndarray, n: int,
+                   scale: float = 1.0) -> np.ndarray:
+    """``scale * sum_i (indices_i, values_i)`` as a dense length-n vector, via one allgatherv.
 
     Counts may differ per rank (Gaussiank's threshold selection); the counts
-    are allgathered first (one int64 each).
+    are allgathered first (one int64 each). ``scale = 1/P`` gives the average.
     """
     entries = make_entries(indices, values)
     everything = allgatherv_entries(comm, entries, gather_counts(comm, entries.size))
     idx, val = split(everything)
-    return _dense_sum(n, idx, val, values.dtype)
+    return _dense_sum(n, idx, val, values.dtype, scale=scale)
 
 
 # ----------------------------------------------------------------- TopkDSA

@@ -1,0 +1,229 @@
+"""Exact top-k packing and COO scatter kernels (Numba, CPU) for the allgather sparsifiers.
+
+TopkA and its relatives (Ok-Topk paper, Table 1; SparCML, Renggli et al.
+SC'19, Section 4) send each rank's exact local top-k of ``|x|`` as k
+``(index, value)`` pairs and sum what every rank sent. The hot loops are:
+
+* :func:`topk_coo` -- the exact top-k as COO in one pass over ``x`` once the
+  k-th largest magnitude ``t`` is known (:func:`kernels.selection.kth_largest_abs`,
+  a 2-pass radix select): every entry with ``|x_j| > t`` is kept, then the
+  first (lowest-index) entries with ``|x_j| == t`` until exactly k are held.
+  Zeros are never selected; when ``x`` has fewer than k nonzeros the message
+  is padded with ``(index 0, value 0.0)`` pairs, so every rank sends the same
+  2k words (an allgather needs equal sizes) and the padding adds nothing.
+* :func:`scatter_add` -- ``out[idx_j] += scale * val_j`` in the values' dtype
+  (no float64 ``bincount`` and no dense temporary).
+* :func:`scatter_set` / :func:`scatter_clear` -- write and later erase the k
+  selected entries of a reused dense buffer, so the per-step dense ``local``
+  vector costs O(k) instead of an allocation plus n page faults.
+
+The CuPy path of the compressors keeps using ``xp`` array expressions; these
+kernels are for NumPy arrays only.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(cache=True)
+def _topk_coo(x, thr, k, out_idx, out_val):
+    """Fill ``out_idx[:k]``/``out_val[:k]``; return how many entries are real (the rest is padding).
+
+    Entries above ``thr`` are written from the front in index order; ties
+    (``|x_j| == thr``, ``x_j != 0``) from the back. A new above-threshold
+    entry that finds no free slot evicts the most recent tie, so the ties
+    kept are the first ones in index order. Since ``thr`` is the exact k-th
+    largest magnitude, above-threshold entries number fewer than k.
+    """
+    w = 0            # next front slot
+    t = k - 1        # next back slot (ties)
+    for j in range(x.size):
+        v = x[j]
+        a = abs(v)
+        if a >= thr and v != 0:
+            if a > thr:
+                if w > t:
+                    t += 1          # evict the latest tie
+                out_idx[w] = j
+                out_val[w] = v
+                w += 1
+            elif w <= t:
+                out_idx[t] = j
+                out_val[t] = v
+                t -= 1
+    # move the ties (slots t+1 .. k-1, in reverse index order) right after the front, in index order
+    nt = k - 1 - t
+    lo = t + 1
+    hi = k - 1
+    while lo < hi:                      # reverse the ties in place: index order
+        out_idx[lo], out_idx[hi] = out_idx[hi], out_idx[lo]
+        out_val[lo], out_val[hi] = out_val[hi], out_val[lo]
+        lo += 1
+        hi -= 1
+    if w < t + 1:                       # shift them down (destination below source: ascending copy is safe)
+        for q in range(nt):
+            out_idx[w + q] = out_idx[t + 1 + q]
+            out_val[w + q] = out_val[t + 1 + q]
+    real = w + nt
+    for q in range(real, k):
+        out_idx[q] = 0
+        out_val[q] = 0
+    return real
+
+
+def topk_coo(x: np.ndarray, thr: float, k: int, out_idx: np.ndarray,
+             out_val: np.ndarray) -> int:
+    """Exact top-k of ``|x|`` given its k-th largest magnitude ``thr``, as COO, in one pass.
+
+    ``x`` is a flat float32/float64 NumPy vector, ``thr = kth_largest_abs(x, k)``,
+    ``out_idx`` (int32 or int64) and ``out_val`` (``x``'s dtype) hold at least
+    ``k`` slots. Writes the selected ``(index, value)`` pairs to the first
+    ``real`` slots -- all entries with ``|x_j| > thr`` in ascending index
+    order, then the lowest-index entries with ``|x_j| == thr`` -- and pads
+    ``k - real`` slots with ``(0, 0.0)``. Returns ``real = min(k, nnz(x))``.
+    """
+    if k <= 0:
+        return 0
+    return int(_topk_coo(x, x.dtype.type(thr), int(k), out_idx, out_val))
+
+
+@njit(cache=True)
+def _scatter_add(out, idx, val, scale):
+    for j in range(idx.size):
+        out[idx[j]] += val[j] * scale
+
+
+@njit(cache=True)
+def _scatter_add_noscale(out, idx, val):
+    for j in range(idx.size):
+        out[idx[j]] += val[j]
+
+
+def scatter_add(out: np.ndarray, idx: np.ndarray, val: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """``out[idx_j] += scale * val_j`` for every j, in order (duplicates add), in ``out``'s dtype.
+
+    With ``scale = 1/P`` for P a power of two the scaling is exact, so the
+    result equals ``(sum_j val_j) / P`` bit for bit (the sum of a COO
+    allgather, Ok-Topk paper Table 1, "TopkA"). Returns ``out``.
+    """
+    val = np.ascontiguousarray(val, dtype=out.dtype)
+    if scale == 1.0:
+        _scatter_add_noscale(out, idx, val)
+    else:
+        _scatter_add(out, idx, val, out.dtype.type(scale))
+    return out
+
+
+@njit(cache=True)
+def _scatter_set(out, idx, src, count):
+    for j in range(count):
+        i = idx[j]
+        out[i] = src[i]
+
+
+def scatter_set(out: np.ndarray, idx: np.ndarray, src: np.ndarray, count: int | None = None) -> np.ndarray:
+    """``out[idx_j] = src[idx_j]`` for the first ``count`` indices (default all). Returns ``out``."""
+    _scatter_set(out, idx, src, idx.size if count is None else int(count))
+    return out
+
+
+@njit(cache=True)
+def _scatter_clear(out, idx, count):
+    for j in range(count):
+        out[idx[j]] = 0
+
+
+def scatter_clear(out: np.ndarray, idx: np.ndarray, count: int | None = None) -> np.ndarray:
+    """``out[idx_j] = 0`` for the first ``count`` indices (default all). Returns ``out``."""
+    _scatter_clear(out, idx, idx.size if count is None else int(count))
+    return out
+
+
+@njit(cache=True)
+def _scatter_add_rows(out, idx, block, scale):
+    n = out.shape[1]
+    for j in range(idx.size):
+        r = idx[j]
+        for c in range(n):
+            out[r, c] += block[j, c] * scale
+
+
+def scatter_add_rows(out: np.ndarray, idx: np.ndarray, block: np.ndarray,
+                     scale: float = 1.0) -> np.ndarray:
+    """``out[idx_j, :] += scale * block[j, :]`` for every j in order (row-sparse COO sum).
+
+    The row analogue of :func:`scatter_add` for the Top-K-rows baseline of
+    ARC-Top-K (an allgather of (row indices, rows), summed). Returns ``out``.
+    """
+    block = np.ascontiguousarray(block, dtype=out.dtype).reshape(idx.size, out.shape[1])
+    _scatter_add_rows(out, idx, block, out.dtype.type(scale))
+    return out
+
+
+class SparseScratch:
+    """A reused dense vector that is all zeros except at the indices last written.
+
+    :meth:`fill` erases the previous call's entries (O(k)) and writes
+    ``out[idx] = src[idx]``: the dense ``local`` part of the sparsifiers'
+    ``_reduce`` without allocating and faulting in n zeros each step. The
+    returned array is only valid until the next :meth:`fill`; error feedback
+    consumes ``local`` within the call (``e = acc - local`` or ``g += c``).
+    """
+
+    def __init__(self) -> None:
+        self.buf: np.ndarray | None = None
+        self.idx: np.ndarray = np.empty(0, np.int64)
+        self.count = 0
+
+    def fill(self, n: int, dtype: np.dtype, idx: np.ndarray, src: np.ndarray,
+             count: int | None = None) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        if self.buf is None or self.buf.size != n or self.buf.dtype != dtype:
+            self.buf = np.zeros(n, dtype)
+        else:
+            _scatter_clear(self.buf, self.idx, self.count)
+        count = idx.size if count is None else int(count)
+        _scatter_set(self.buf, idx, src, count)
+        self.idx = idx.copy() if count == idx.size else idx[:count].copy()
+        self.count = count
+        return self.buf
+
+
+class RowScratch:
+    """A reused m x n matrix that is zero except in the rows last written (row-sparse ``local``).
+
+    :meth:`fill` zeroes the previous call's K rows and copies ``block`` into
+    ``rows``: ARC-Top-K's and the row baselines' ``[U]_{I,:}`` (ARC-Top-K
+    paper, eq. 5) in O(K n) instead of a fresh m x n allocation. Valid until
+    the next :meth:`fill` (feedback consumes ``local`` within the call).
+    """
+
+    def __init__(self) -> None:
+        self.buf: np.ndarray | None = None
+        self.rows: np.ndarray = np.empty(0, np.int64)
+
+    def fill(self, block: np.ndarray, rows: np.ndarray, m: int) -> np.ndarray:
+        n = block.shape[1]
+        if self.buf is None or self.buf.shape != (m, n) or self.buf.dtype != block.dtype:
+            self.buf = np.zeros((m, n), dtype=block.dtype)
+        else:
+            self.buf[self.rows] = 0
+        self.buf[rows] = block
+        self.rows = np.array(rows, dtype=np.int64, copy=True)
+        return self.buf
+
+
+def row_local(method: object, name: str, block: np.ndarray, rows: np.ndarray, m: int) -> np.ndarray:
+    """``[block]_{rows,:}`` as an m x n NumPy matrix in a per-(method, tensor) :class:`RowScratch`."""
+    scratch = method.__dict__.setdefault("_row_scratch", {}).setdefault(name, RowScratch())
+    return scratch.fill(block, rows, m)
+
+
+def is_power_of_two(p: int) -> bool:
+    """Whether scaling by ``1/p`` is exact in binary floating point."""
+    return p > 0 and (p & (p - 1)) == 0
+
+
+__all__ = ["RowScratch", "SparseScratch", "row_local", "is_power_of_two", "scatter_add", "scatter_add_rows", "scatter_clear",
+           "scatter_set", "topk_coo"]
