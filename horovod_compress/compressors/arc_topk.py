@@ -52,6 +52,7 @@ import numpy as np
 from ..kernels import dispatch
 from ..kernels.arrays import as_module_array, get_array_module, to_host
 from ..kernels.rows import matrix_shape, top_rows
+from ..kernels.scatter import row_local
 from .base import Method, TensorState
 from .params import check_int
 from .registry import register
@@ -157,7 +158,8 @@ class ArcTopK(Method):
             avg_rows = comm.allreduce(own, op="avg")          # K x n words, no indices
         state["rows"] = rows.astype(np.int32)                 # diagnostics (same on every rank)
         avg = dispatch.call("scatter_rows", avg_rows, rows_x, plan.m).reshape(x.shape)
-        local = dispatch.call("scatter_rows", own, rows_x, plan.m).reshape(x.shape)
+        local = (row_local(self, name, own, rows, plan.m) if xp is np else
+                 dispatch.call("scatter_rows", own, rows_x, plan.m)).reshape(x.shape)
         return avg, local
 
     def expected_bytes(self, shape: tuple[int, ...], world_size: int,

@@ -29,6 +29,7 @@ import numpy as np
 from ..kernels import dispatch
 from ..kernels.arrays import as_module_array, get_array_module, to_host
 from ..kernels.rows import matrix_shape, top_rows
+from ..kernels.scatter import is_power_of_two, row_local, scatter_add_rows
 from .base import Method, TensorState
 from .registry import register
 from .row_common import check_ratio, rows_from_ratio
@@ -100,8 +101,9 @@ class RandKRows(_RowMethod):
         rows = as_module_array(self.rows(name, state.t, m, k), get_array_module(g))  # drawn on the host
         own = dispatch.call("gather_rows", g, rows)
         avg_rows = comm.allreduce(own, op="avg")
-        return (dispatch.call("scatter_rows", avg_rows, rows, m),
-                dispatch.call("scatter_rows", own, rows, m))
+        local = (row_local(self, name, own, rows, m) if isinstance(own, np.ndarray)
+                 else dispatch.call("scatter_rows", own, rows, m))
+        return dispatch.call("scatter_rows", avg_rows, rows, m), local
 
     @staticmethod
     def _row_bytes(m: int, n: int, k: int, world_size: int, itemsize: int) -> float:
@@ -129,6 +131,18 @@ class TopKRows(_RowMethod):
             msg[:k] = rows.astype(np.int64).view(np.float64)
         gathered = comm.allgather(msg)                           # (P, K + K n)
         idx_type = np.int32 if g.dtype == np.float32 else np.int64
+        if xp is np:
+            # compiled row scatter-add in g's dtype into one m x n buffer: 1/P per value when
+            # exact (P a power of two), else once on the sum -- no float64 matrix and no cast
+            exact = is_power_of_two(comm.size)
+            avg = np.zeros((m, n), dtype=g.dtype)
+            for j in range(gathered.shape[0]):
+                part = gathered[j]
+                scatter_add_rows(avg, part[:k].view(idx_type), part[k:],
+                                 1.0 / comm.size if exact else 1.0)
+            if not exact:
+                avg /= g.dtype.type(comm.size)
+            return avg, row_local(self, name, msg[k:].reshape(k, n), rows, m)
         total = xp.zeros((m, n), dtype=np.float64)
         for j in range(gathered.shape[0]):
             part = gathered[j]
