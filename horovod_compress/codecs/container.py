@@ -45,7 +45,12 @@ VERSION = 1
 FLAG_INDEX_ORDER = 1
 FLAG_PERMUTATION = 2
 MAX_NDIM = 32
-DEFAULT_MAX_ELEMENTS = 2**31
+#: Largest tensor a container may describe when the caller gives no
+#: ``expected_shape``: decoders allocate O(elements) (a Bloom index scans the
+#: whole universe, 8 bytes per element), so untrusted bytes can make a
+#: decoder allocate at most about 8 * 2**26 bytes = 512 MiB. Pass
+#: ``expected_shape`` (DeepReduce does) or a larger ``max_elements`` for more.
+DEFAULT_MAX_ELEMENTS = 2**26
 _DTYPES = {1: np.dtype(np.float16), 2: np.dtype(np.float32), 3: np.dtype(np.float64)}
 _DTYPE_CODES = {dt: code for code, dt in _DTYPES.items()}
 _MIN_SIZE = len(MAGIC) + 6 + 8 + 4
@@ -146,9 +151,15 @@ def decode(data: bytes | bytearray | memoryview | np.ndarray,
            max_elements: int = DEFAULT_MAX_ELEMENTS) -> SparseTensor:
     """Decode a container; raises :class:`ContainerError` (a ``ValueError``) if malformed.
 
-    ``expected_shape`` (recommended) must match the header's shape; otherwise
-    the tensor may have at most ``max_elements`` entries.
+    Allocation is bounded before any decoder runs: ``expected_shape``
+    (recommended; the caller knows what it receives) must match the header's
+    shape, which then bounds every allocation; without it the tensor may have
+    at most ``max_elements`` entries (default :data:`DEFAULT_MAX_ELEMENTS`).
     """
+    if expected_shape is not None:
+        expected_shape = tuple(int(s) for s in expected_shape)
+        max_elements = int(np.prod(expected_shape, dtype=object)) if expected_shape else 1
+    dim_limit = max(max_elements, *expected_shape) if expected_shape else max_elements
     if isinstance(data, np.ndarray):
         if data.dtype != np.uint8:
             raise ContainerError(f"container must be bytes or a uint8 array, got {data.dtype}")
@@ -181,9 +192,9 @@ def decode(data: bytes | bytearray | memoryview | np.ndarray,
     ndim = rd.u8("ndim")
     if ndim > MAX_NDIM:
         raise rd.fail(f"ndim {ndim} above {MAX_NDIM}")
-    shape = tuple(rd.varint("shape", limit=max_elements) for _ in range(ndim))
+    shape = tuple(rd.varint("shape", limit=dim_limit) for _ in range(ndim))
     n = int(np.prod(shape, dtype=object)) if shape else 1
-    if expected_shape is not None and tuple(int(s) for s in expected_shape) != shape:
+    if expected_shape is not None and expected_shape != shape:
         raise ContainerError(f"container: holds a tensor of shape {shape}, expected "
                              f"{tuple(expected_shape)}")
     if n > max_elements:
