@@ -22,6 +22,7 @@ residual, thresholds, subspaces ...) lives in ``self.state[name]`` and is what
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Any, ClassVar
 
 import numpy as np
@@ -35,7 +36,33 @@ from ..kernels.arrays import (
     to_device_like,
     to_host,
 )
+from ..runtime.consistency import NEW_SIGNATURE, NONFINITE, agree, check_same_signature
 from .params import check_int
+
+NONFINITE_POLICIES = ("raise", "skip", "propagate")
+NONFINITE_ENV = "HVDC_NONFINITE"
+_MAX_SIGNATURES = 4096
+
+
+class NonFiniteGradientError(FloatingPointError, ValueError):
+    """A gradient held NaN/Inf under the ``nonfinite="raise"`` policy (raised on every rank)."""
+
+
+def _finite(x: Any) -> bool:
+    """Whether every entry of ``x`` is finite.
+
+    Fast path: one dot product ``x . x`` (BLAS, no temporary), finite exactly
+    when no entry is NaN/Inf unless the sum of squares overflows; only then
+    (or when it is not finite) the exact element-wise test decides.
+    """
+    xp = get_array_module(x)
+    if x.size == 0:
+        return True
+    v = x.reshape(-1)
+    with np.errstate(all="ignore"):
+        if bool(xp.isfinite(xp.dot(v, v))):
+            return True
+    return bool(xp.isfinite(x).all())   # NaN/Inf, or a sum of squares that overflowed
 
 
 def _move_state(state: dict, xp: Any) -> None:
@@ -86,9 +113,14 @@ class Method:
     gpu_native: ClassVar[bool] = False
 
     def __init__(self, *, feedback: str | None = None, warmup_steps: int = 0,
-                 seed: int = 0, **feedback_params: Any) -> None:
+                 seed: int = 0, nonfinite: str | None = None, **feedback_params: Any) -> None:
         self.warmup_steps = check_int(self.name, "warmup_steps", warmup_steps, 0)
         self.seed = check_int(self.name, "seed", seed, 0, 2**63 - 1)
+        self.nonfinite: str = "raise"
+        self.set_nonfinite(nonfinite)
+        self._signatures: set[tuple] = set()
+        self.skipped_steps: int = 0
+        self.last_step_skipped: bool = False
         self.feedback: Feedback = make_feedback(
             self.name, feedback if feedback is not None else self.default_feedback,
             **feedback_params)
@@ -114,6 +146,18 @@ class Method:
             grad = np.asarray(grad)
         in_dtype = np.dtype(grad.dtype)
         x = grad.astype(self._work_dtype(in_dtype), copy=False)
+        signature = self._signature(grad, in_dtype, name)
+        flags = agree(comm, (NONFINITE if not _finite(x) else 0)
+                      | (NEW_SIGNATURE if signature not in self._signatures else 0))
+        if (flags & NEW_SIGNATURE).any():
+            check_same_signature(comm, signature)
+            if len(self._signatures) >= _MAX_SIGNATURES:
+                self._signatures.clear()
+            self._signatures.add(signature)
+        self.last_step_skipped = False
+        if (flags & NONFINITE).any():
+            bad_ranks = [int(r) for r in np.flatnonzero(flags & NONFINITE)]
+            return self._nonfinite_step(x, grad, in_dtype, name, comm, bad_ranks)
         st = self.state.setdefault(name, TensorState())
         _move_state(st, get_array_module(x))
         st["t"] = st.t + 1
@@ -126,6 +170,56 @@ class Method:
             out = out.reshape(grad.shape)
         return out.astype(in_dtype, copy=False) if out.dtype != in_dtype else out
 
+    def _signature(self, grad: Any, in_dtype: np.dtype, name: str) -> tuple:
+        """This call's (name, shape, dtype, method config): what ranks must agree on.
+
+        Every call begins with one 1-byte allgather (``runtime.consistency.agree``)
+        in which each rank says whether its gradient is finite and whether this
+        signature is new to it; if any rank has a new one, every rank joins one
+        16-byte digest allgather of its signature, and a mismatch raises the
+        same :class:`TensorMismatchError` on every rank, naming the tensor and
+        what differs. Names are part of it: shared randomness is keyed by name.
+        """
+        return (name, tuple(int(s) for s in grad.shape), in_dtype.str,
+                tuple(sorted((k, repr(v)) for k, v in self.config().items())))
+
+    def _nonfinite_step(self, x: Any, grad: Any, in_dtype: np.dtype, name: str, comm: Any,
+                        bad_ranks: list[int]) -> Any:
+        """A step where some rank's gradient holds NaN/Inf: apply ``self.nonfinite`` everywhere.
+
+        The tensor's state (step counter, residuals, trackers) is left as it
+        was under every policy, so feedback never keeps a non-finite value.
+        """
+        if self.nonfinite == "raise":
+            raise NonFiniteGradientError(
+                f"{self.name}: the gradient of tensor {name!r} holds NaN/Inf on rank"
+                f"{'s' if len(bad_ranks) > 1 else ''} {', '.join(map(str, bad_ranks))} "
+                f"(policy nonfinite='raise'; use nonfinite='skip' to drop such steps or "
+                f"'propagate' to hand them to a loss scaler)")
+        if self.nonfinite == "skip":
+            self.skipped_steps += 1
+            self.last_step_skipped = True
+            xp = get_array_module(x)
+            return xp.zeros(grad.shape, dtype=in_dtype)
+        out = comm.allreduce(x, op="avg")   # propagate: the non-finite average, equal everywhere
+        if out.shape != grad.shape:
+            out = out.reshape(grad.shape)
+        return out.astype(in_dtype, copy=False) if out.dtype != in_dtype else out
+
+    def set_nonfinite(self, policy: str | None) -> None:
+        """Set the NaN/Inf policy: ``"raise"`` (default), ``"skip"`` or ``"propagate"``.
+
+        ``None`` takes ``HVDC_NONFINITE`` from the environment (default
+        ``"raise"``). The policy is part of the cross-rank signature check,
+        so ranks with different policies get a mismatch error (docs/failures.md).
+        """
+        if policy is None:
+            policy = os.environ.get(NONFINITE_ENV, "raise")
+        if policy not in NONFINITE_POLICIES:
+            raise ValueError(f"{self.name}: nonfinite must be one of {list(NONFINITE_POLICIES)}, "
+                             f"got {policy!r}")
+        self.nonfinite = policy
+
     def expected_bytes(self, shape: tuple[int, ...], world_size: int,
                        itemsize: int = 4) -> float | None:
         """Bytes this method should send per rank per step for a tensor of ``shape``.
@@ -137,8 +231,11 @@ class Method:
 
     def config(self) -> dict[str, Any]:
         """The constructor arguments that define this method (for logs and checkpoints)."""
-        return {"name": self.name, "seed": self.seed, "warmup_steps": self.warmup_steps,
-                "feedback": self.feedback.name, **self.params()}
+        cfg = {"name": self.name, "seed": self.seed, "warmup_steps": self.warmup_steps,
+               "feedback": self.feedback.name, **self.feedback.params(), **self.params()}
+        if self.nonfinite != "raise":
+            cfg["nonfinite"] = self.nonfinite
+        return cfg
 
     def params(self) -> dict[str, Any]:
         """Method-specific hyperparameters; subclasses extend."""

@@ -38,9 +38,35 @@ def method_class(name: str) -> type:
     return _METHODS[name]
 
 
-def create(name: str, **params: Any) -> Any:
-    """Build method ``name`` with ``params``; every error is a ``ValueError``."""
+def parameter_names(name: str) -> list[str]:
+    """The named parameters of method ``name``, in the order its constructor declares them."""
+    sig = inspect.signature(method_class(name).__init__)
+    return [p for p in sig.parameters if p != "self" and
+            sig.parameters[p].kind in (inspect.Parameter.KEYWORD_ONLY,
+                                       inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+
+
+def create(name: str, *args: Any, **params: Any) -> Any:
+    """Build method ``name`` with ``params``; every error is a ``ValueError``.
+
+    Positional ``args`` map to the method's parameters in the order its
+    constructor declares them (``Compression.topk(0.01)`` is
+    ``Compression.topk(density=0.01)``); more positionals than parameters, or
+    a parameter given twice, is a ``ValueError`` naming the method and its
+    parameters. ``nonfinite=`` (the NaN/Inf policy) is accepted by every method.
+    """
     cls = method_class(name)
+    if args:
+        names = parameter_names(name)
+        if len(args) > len(names):
+            raise ValueError(f"{name}: takes at most {len(names)} positional arguments "
+                             f"({', '.join(names)}), got {len(args)}")
+        for key, value in zip(names, args):
+            if key in params:
+                raise ValueError(f"{name}: parameter {key!r} given both by position and by "
+                                 f"name (parameters in order: {', '.join(names)})")
+            params[key] = value
+    nonfinite = params.pop("nonfinite", None)
     sig = inspect.signature(cls.__init__)
     accepts_any = any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values())
     allowed = [p for p in sig.parameters if p not in ("self",) and
@@ -51,9 +77,12 @@ def create(name: str, **params: Any) -> Any:
             if key not in allowed:
                 raise ValueError(f"{name}: unknown parameter {key!r}; allowed: {sorted(allowed)}")
     try:
-        return cls(**params)
+        method = cls(**params)
     except TypeError as exc:
         raise ValueError(f"{name}: {exc}") from None
+    if nonfinite is not None:
+        method.set_nonfinite(nonfinite)
+    return method
 
 
 class _CompressionMeta(type):
@@ -63,8 +92,8 @@ class _CompressionMeta(type):
         if item not in _METHODS:
             raise UnknownMethodError(f"unknown compression method {item!r}; available: {available()}")
 
-        def factory(**params: Any) -> Any:
-            return create(item, **params)
+        def factory(*args: Any, **params: Any) -> Any:
+            return create(item, *args, **params)
 
         factory.__name__ = item
         factory.__doc__ = _METHODS[item].__doc__
@@ -82,8 +111,9 @@ class Compression(metaclass=_CompressionMeta):
     """
 
     @staticmethod
-    def by_name(name: str, **params: Any) -> Any:
-        return create(name, **params)
+    def by_name(name: str, *args: Any, **params: Any) -> Any:
+        """``Compression.by_name("topk", density=0.01)``; positionals as in :func:`create`."""
+        return create(name, *args, **params)
 
     @staticmethod
     def available() -> list[str]:

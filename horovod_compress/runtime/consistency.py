@@ -5,10 +5,16 @@ would otherwise hang the job inside a collective. The check is cheap: one
 allgather of a 16-byte digest of the (name, shape, dtype) list; only on a
 mismatch are the full lists gathered, to name the first differing tensor.
 The same ``ValueError`` is raised on every rank.
+
+:func:`agree` and :func:`check_same_signature` do the same per call of
+``Method.allreduce`` (name, shape, dtype, method parameters) and agree on
+non-finite gradients, on a private duplicate of the communicator.
 """
 from __future__ import annotations
 
 import hashlib
+import threading
+import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -50,3 +56,102 @@ def _describe(lists: list[list[tuple]]) -> str:
                     f"{per_rank}. Every rank must build the same model and pass the same "
                     f"named_parameters.")
     return "gradient tensors differ across ranks"
+
+
+# ---------------------------------------------------------------------------
+# Per-call agreement and signature check for Method.allreduce.
+#
+# Every Method.allreduce call starts with the same tiny collective on every
+# rank (:func:`agree`: one byte per rank saying "my gradient is not finite"
+# and "this call's signature is new to me"), so ranks always agree on whether
+# a signature check follows, even when only one rank changed a shape. Both run
+# on a private duplicate of the communicator (``check_comm``), so their
+# messages can never be matched with a method's own collectives, and they are
+# not counted in the Communicator's byte statistics (which follow the
+# methods' volume model).
+
+NONFINITE = 1
+NEW_SIGNATURE = 2
+_CHECK_COMMS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_CHECK_LOCK = threading.Lock()
+
+
+def check_comm(comm: Any) -> Any:
+    """The mpi4py duplicate of ``comm.comm`` used for checks (created at ``comm``'s first use).
+
+    The first ``Method.allreduce`` on a communicator is the first call on
+    every rank, so the collective ``Dup`` happens at the same point
+    everywhere. ``None`` for communicator-like objects without an mpi4py ``comm``.
+    """
+    raw = getattr(comm, "comm", None)
+    if raw is None or not hasattr(raw, "Dup"):
+        return None
+    with _CHECK_LOCK:
+        dup = _CHECK_COMMS.get(comm)
+    if dup is None:
+        dup = raw.Dup()
+        with _CHECK_LOCK:
+            _CHECK_COMMS[comm] = dup
+    return dup
+
+
+def _allgather(comm: Any, mine: np.ndarray) -> np.ndarray:
+    """Allgather of a small uint8 array on the check communicator: shape ``(P, mine.size)``."""
+    dup = check_comm(comm)
+    if dup is None:
+        return np.asarray(comm.allgather(mine)).reshape(comm.size, mine.size)
+    out = np.empty((dup.Get_size(), mine.size), dtype=np.uint8)
+    dup.Allgather(mine, out)
+    return out
+
+
+def agree(comm: Any, flags: int) -> np.ndarray:
+    """Every rank's ``flags`` byte (``NONFINITE | NEW_SIGNATURE``): one 1-byte allgather."""
+    if getattr(comm, "size", 1) <= 1:
+        return np.array([flags], dtype=np.uint8)
+    return _allgather(comm, np.array([flags], dtype=np.uint8))[:, 0]
+
+
+def signature_digest(signature: tuple) -> np.ndarray:
+    """16-byte digest of a call signature ``(name, shape, dtype, method config)``."""
+    return np.frombuffer(hashlib.blake2b(repr(signature).encode(), digest_size=16).digest(),
+                         dtype=np.uint8)
+
+
+def check_same_signature(comm: Any, signature: tuple) -> None:
+    """Raise :class:`TensorMismatchError` on every rank unless all pass an equal ``signature``.
+
+    ``signature`` is ``(name, shape, dtype, config)`` with ``config`` a sorted
+    tuple of ``(key, value)``. One allgather of 16 bytes; only on a mismatch
+    the signatures themselves are gathered to name what differs.
+    """
+    if getattr(comm, "size", 1) <= 1:
+        return
+    all_digests = _allgather(comm, signature_digest(signature))
+    if (all_digests == all_digests[0]).all():
+        return
+    dup = check_comm(comm)
+    signatures = dup.allgather(signature) if dup is not None else comm.allgather_object(signature)
+    raise TensorMismatchError(describe_signatures(signatures))
+
+
+def describe_signatures(signatures: Sequence[tuple]) -> str:
+    """Name the tensor and each field that differs across ranks' signatures."""
+    fields = ("tensor name", "shape", "dtype")
+    parts = []
+    for i, field in enumerate(fields):
+        values = [s[i] for s in signatures]
+        if any(v != values[0] for v in values):
+            parts.append(f"{field}: " + ", ".join(
+                f"rank {r} {tuple(v) if field == 'shape' else v!r}" for r, v in enumerate(values)))
+    configs = [dict(s[3]) for s in signatures]
+    for key in sorted(set().union(*configs)):
+        values = [c.get(key, "<unset>") for c in configs]
+        if any(v != values[0] for v in values):
+            parts.append(f"method parameter {key}: " + ", ".join(
+                f"rank {r} {v}" for r, v in enumerate(values)))
+    names = sorted({s[0] for s in signatures})
+    return (f"Method.allreduce: ranks disagree on tensor "
+            f"{repr(names[0]) if len(names) == 1 else ' / '.join(map(repr, names))}"
+            f" ({'; '.join(parts) or 'signatures differ'}). Every rank must reduce the same "
+            f"tensors, in the same order, with the same shape, dtype and method parameters.")

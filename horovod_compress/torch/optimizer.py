@@ -10,6 +10,9 @@ waits, writes the averaged gradients into ``p.grad`` and steps.
 
 Compressor state (residuals, thresholds, subspaces, step counters) is part of
 ``state_dict()`` under the key ``"hvdc"`` and restored by ``load_state_dict``.
+It is stored as tensors and plain Python types only (:func:`to_safe_state`),
+so ``torch.load(path)`` with PyTorch's default ``weights_only=True`` reads the
+checkpoint; every NumPy array comes back with its dtype, shape and bytes.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import contextlib
 import weakref
 from typing import Any, Iterable, Iterator
 
+import numpy as np
 import torch
 
 from ..compressors.base import Method
@@ -25,6 +29,48 @@ from ..runtime.engine import GradientExchange
 from ..runtime.ops import Average, Sum, op_name
 from . import world
 from .tensors import copy_into, numpy_dtype_name, to_array
+
+
+_ARRAY_KEY = "__hvdc_ndarray__"
+
+
+def to_safe_state(obj: Any) -> Any:
+    """``obj`` with every NumPy array or scalar replaced by a ``weights_only``-loadable dict.
+
+    An array becomes ``{"__hvdc_ndarray__": dtype.str, "shape": [...],
+    "scalar": bool, "data": <uint8 tensor of its bytes>}`` (exact for any
+    dtype); dicts, lists and tuples are converted recursively, other values
+    are kept. :func:`from_safe_state` inverts it.
+    """
+    if isinstance(obj, (np.ndarray, np.generic)):
+        arr = np.array(obj, copy=True, order="C")   # keeps 0-d scalars 0-d
+        raw = arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
+        return {_ARRAY_KEY: arr.dtype.str, "shape": list(arr.shape),
+                "scalar": isinstance(obj, np.generic), "data": torch.from_numpy(raw)}
+    if isinstance(obj, dict):
+        return {k: to_safe_state(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_safe_state(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(to_safe_state(v) for v in obj)
+    return obj
+
+
+def from_safe_state(obj: Any) -> Any:
+    """Invert :func:`to_safe_state` (values that are not encoded arrays pass through)."""
+    if isinstance(obj, dict):
+        if _ARRAY_KEY in obj:
+            dtype = np.dtype(obj[_ARRAY_KEY])
+            data = obj["data"]
+            raw = data.numpy() if isinstance(data, torch.Tensor) else np.asarray(data, np.uint8)
+            arr = np.frombuffer(raw.tobytes(), dtype=dtype).reshape(obj["shape"]).copy()
+            return arr[()] if obj.get("scalar") else arr
+        return {k: from_safe_state(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [from_safe_state(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(from_safe_state(v) for v in obj)
+    return obj
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -71,6 +117,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvdc_passes = {id(p): 0 for p in all_params}
         self._hvdc_synchronized = False
         self._hvdc_skip_sync = False
+        self._hvdc_step_skipped = False
+        self._hvdc_skipped_seen = compression.skipped_steps
         self_ref = weakref.ref(self)
 
         def hook(p: torch.Tensor) -> None:  # a weak reference: a dropped optimizer unhooks
@@ -98,8 +146,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------- synchronize
     def synchronize(self) -> None:
-        """Wait for every gradient's allreduce and write the averages into ``p.grad``."""
+        """Wait for every gradient's allreduce and write the averages into ``p.grad``.
+
+        Under ``nonfinite="skip"`` a step in which any rank had a NaN/Inf
+        gradient sets :attr:`step_skipped` (on every rank alike), and the
+        following ``step()`` leaves the parameters and the wrapped
+        optimizer's state as they are.
+        """
         averaged = self._hvdc_exchange.finish(fill_missing=True)
+        skipped = self._hvdc_method.skipped_steps   # buckets may have run during backward
+        self._hvdc_step_skipped = skipped != self._hvdc_skipped_seen
+        self._hvdc_skipped_seen = skipped
         scale = self._hvdc_predivide
         if self._hvdc_op == Sum:
             scale *= self._hvdc_comm.size
@@ -129,7 +186,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                    "optimizer.skip_synchronize()")
             self.synchronize()
         self._hvdc_synchronized = False
+        if self._hvdc_step_skipped:
+            return None
         return super(self.__class__, self).step(closure)
+
+    @property
+    def step_skipped(self) -> bool:
+        """Whether the last synchronized step was dropped (``nonfinite="skip"``, NaN/Inf on some rank)."""
+        return self._hvdc_step_skipped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if any(n >= self.backward_passes_per_step for n in self._hvdc_passes.values()):
@@ -147,7 +211,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         sd = super(self.__class__, self).state_dict()
-        sd["hvdc"] = self._hvdc_method.state_dict()
+        sd["hvdc"] = to_safe_state(self._hvdc_method.state_dict())
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -155,7 +219,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         hv = sd.pop("hvdc", None)
         super(self.__class__, self).load_state_dict(sd)
         if hv is not None:
-            self._hvdc_method.load_state_dict(hv)
+            self._hvdc_method.load_state_dict(from_safe_state(hv))
 
     # ------------------------------------------------------------ extras
     @property
