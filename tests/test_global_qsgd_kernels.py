@@ -332,3 +332,35 @@ def test_expected_bytes_formula():
         assert m4.expected_bytes((1000, 1001), p) == 2 * (8 + 500500) * (p - 1) / p
         assert hvdc.Compression.qsgd().expected_bytes((n,), p) == (p - 1) * (4 + n)
     assert hvdc.Compression.global_qsgd(sparse=True).expected_bytes((10,), 4) is None
+
+
+def test_abs_max_bit_pattern_kernel_matches_numpy_and_flags_nonfinite():
+    import math
+
+    from horovod_compress.kernels.quantize import abs_max
+    rng = np.random.default_rng(21)
+    for dtype in (np.float32, np.float64, np.float16):
+        x = (rng.standard_normal(10_001) * 3).astype(dtype)
+        assert abs_max(x) == float(np.abs(x.astype(np.float64)).max())
+        for bad in (np.nan, np.inf, -np.inf):
+            y = x.copy()
+            y[1234] = bad
+            assert abs_max(y) == math.inf
+    assert abs_max(np.zeros(0, np.float32)) == 0.0
+    assert abs_max(np.array([-0.0, -2.5e-45], np.float32)) == float(np.float32(2.5e-45))  # subnormal
+
+
+def test_exp_dequantize_equals_ldexp_table_bit_for_bit():
+    import math
+
+    from horovod_compress.kernels.quantize import exp_dequantize_into
+    for sign_shift in (7, 3):
+        codes = np.arange(2 << sign_shift).astype(np.uint8)
+        emask = (1 << sign_shift) - 1
+        for scale in (1.3, 2.0 ** -30, 7.5e20, 3e-290):
+            got = np.empty(codes.size, np.float64)
+            exp_dequantize_into(codes, scale, sign_shift, got)
+            ref = np.array([(-1.0 if (c >> sign_shift) & 1 else 1.0) *
+                            (math.ldexp(scale, -(c & emask)) if c & emask else 0.0)
+                            for c in codes.tolist()])
+            assert np.array_equal(got.view(np.int64), ref.view(np.int64)), (sign_shift, scale)

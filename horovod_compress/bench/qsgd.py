@@ -66,6 +66,7 @@ def _variant_kernels(name: str, x: np.ndarray, world_size: int) -> dict[str, Cal
 
     from ..compressors.global_qsgd import exp_shift, linear_levels
     from ..kernels.quantize import (
+        abs_max,
         exp_dequantize,
         exp_quantize,
         linear_dequantize,
@@ -81,7 +82,7 @@ def _variant_kernels(name: str, x: np.ndarray, world_size: int) -> dict[str, Cal
         c = exp_shift(bits, world_size, 16 if bits == 8 else 0)
 
         def quantize() -> np.ndarray:
-            norm = float(np.max(np.abs(x)))
+            norm = abs_max(x)
             codes = exp_quantize(x, 2.0 ** -c / norm, bits, key)
             return codes if bits == 8 else pack_nibbles(codes)
 
@@ -102,7 +103,7 @@ def _variant_kernels(name: str, x: np.ndarray, world_size: int) -> dict[str, Cal
         s = linear_levels(bits, world_size)
 
         def quantize() -> np.ndarray:
-            norm = float(np.max(np.abs(x)))
+            norm = abs_max(x)
             q = linear_quantize(x, 1.0 / norm, s, key)
             return q if bits == 8 else pack_nibbles(q)
 

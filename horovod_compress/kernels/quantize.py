@@ -283,18 +283,38 @@ def exp_quantize_by(into: Any, x: np.ndarray, scale: float, bits: int, key: int)
     return out
 
 
+@intrinsic
+def bits_float64(typingctx, b):
+    """The float64 whose IEEE-754 bit pattern is the int64 ``b`` (a register bitcast, vectorisable)."""
+    if not isinstance(b, types.Integer) or b.bitwidth != 64:
+        return None
+    sig = types.float64(b)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.DoubleType())
+
+    return sig, codegen
+
+
 @njit(cache=True)
 def exp_dequantize_into(codes: np.ndarray, scale: float, sign_shift: int,
                         out: np.ndarray) -> None:
-    """out[i] = sign * 2^-e * scale for code (sign, e); e = 0 gives 0 (table lookup)."""
+    """out[i] = sign * 2^-e * scale for code (sign, e); e = 0 gives (signed) 0.
+
+    2^-e is built from its float64 bit pattern ``(1023 - e) << 52`` (exact for
+    e <= 1022) and multiplied by ``scale``: one correctly rounded product,
+    i.e. ``ldexp(scale, -e)`` bit for bit (the GPU kernel's table), but
+    branch-free and without a per-element table gather, so LLVM vectorises
+    the loop (issue 21: 4x faster than the 256-entry lookup on AVX-512).
+    """
+    cmask = (2 << sign_shift) - 1
     emask = (1 << sign_shift) - 1
-    table = np.empty(2 << sign_shift, dtype=np.float64)
-    for c in range(table.size):
-        e = c & emask
-        val = math.ldexp(scale, -e) if e > 0 else 0.0
-        table[c] = -val if (c >> sign_shift) & 1 else val
     for i in range(codes.size):
-        out[i] = table[np.int64(codes[i]) & (table.size - 1)]
+        c = np.int64(codes[i]) & cmask
+        e = c & emask
+        val = bits_float64((1023 - e) << 52) * scale
+        val = val if e > 0 else 0.0
+        out[i] = -val if (c >> sign_shift) & 1 else val
 
 
 def exp_dequantize(codes: np.ndarray, scale: float, bits: int,
@@ -431,8 +451,7 @@ def unpack_biased_lanes(words: np.ndarray, n: int, total_bias: int) -> np.ndarra
 
 # ------------------------------------------------------------------ local norms
 @njit(cache=True)
-def abs_max(x: np.ndarray) -> float:
-    """max_i |x_i| in float64 (the inf-norm); +inf if any entry is NaN or +-Inf, 0 for empty x."""
+def _abs_max_generic(x: np.ndarray) -> float:
     m = 0.0
     for i in range(x.size):
         v = abs(np.float64(x[i]))
@@ -440,6 +459,44 @@ def abs_max(x: np.ndarray) -> float:
             return math.inf
         m = max(m, v)
     return m
+
+
+@njit(cache=True)
+def _max_abs_bits32(b: np.ndarray) -> np.uint32:
+    """max_i (b_i & 0x7FFFFFFF): the largest |x| of float32 bits (an integer max: vectorises)."""
+    m = np.uint32(0)
+    for i in range(b.size):
+        m = max(m, b[i] & np.uint32(0x7FFFFFFF))
+    return m
+
+
+@njit(cache=True)
+def _max_abs_bits64(b: np.ndarray) -> np.uint64:
+    m = np.uint64(0)
+    for i in range(b.size):
+        m = max(m, b[i] & np.uint64(0x7FFFFFFFFFFFFFFF))
+    return m
+
+
+def abs_max(x: np.ndarray) -> float:
+    """max_i |x_i| in float64 (the inf-norm); +inf if any entry is NaN or +-Inf, 0 for empty x.
+
+    float32/float64: one integer max over the bit patterns with the sign bit
+    cleared (non-negative IEEE floats order like their bits, and NaN/Inf are
+    exactly the patterns >= the exponent-all-ones one), so the loop
+    vectorises and needs no early exit; float16 is widened to float32 (exact);
+    other dtypes: a float64 loop.
+    """
+    x = np.ascontiguousarray(x).reshape(-1)
+    if x.dtype == np.float32:
+        m = int(_max_abs_bits32(x.view(np.uint32)))
+        return math.inf if m >= 0x7F800000 else float(np.uint32(m).view(np.float32))
+    if x.dtype == np.float64:
+        m = int(_max_abs_bits64(x.view(np.uint64)))
+        return math.inf if m >= 0x7FF0000000000000 else float(np.uint64(m).view(np.float64))
+    if x.dtype.kind == "f" and x.dtype.itemsize < 4:   # float16: widening to float32 is exact
+        return abs_max(x.astype(np.float32))
+    return float(_abs_max_generic(x))
 
 
 @njit(cache=True)
