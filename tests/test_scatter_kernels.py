@@ -30,6 +30,23 @@ def test_topk_coo_exact_with_ties_zeros_and_padding(dtype):
         assert np.all(idx[real:] == 0) and np.all(val[real:] == 0)   # padding sends nothing
 
 
+def test_topk_coo_ties_within_the_low_radix_digit():
+    """float32 magnitudes sharing their top 16 bits: the fused select's second digit decides."""
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        n = int(rng.integers(1, 300))
+        ulps = rng.integers(0, 6, n).astype(np.float32) * np.float32(2.0 ** -23)
+        x = ((np.float32(1.0) + ulps) * rng.choice([-1, 1, 0], n, p=[0.45, 0.45, 0.1])).astype(np.float32)
+        x[rng.random(n) < 0.1] *= np.float32(4.0)          # a few above the shared digit
+        k = int(rng.integers(1, n + 1))
+        idx, val, real = exact_topk_coo(x, k, np.int32)
+        ref = _stable_topk(x, k)
+        assert real == ref.size
+        assert sorted(idx[:real].tolist()) == sorted(ref.tolist())
+        assert np.array_equal(val[:real], x[idx[:real]])
+        assert np.all(idx[real:] == 0) and np.all(val[real:] == 0)
+
+
 def test_topk_coo_continuous_matches_argpartition():
     rng = np.random.default_rng(3)
     x = rng.standard_normal(100_000).astype(np.float32)

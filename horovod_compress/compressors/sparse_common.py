@@ -56,8 +56,10 @@ def exact_topk_coo(flat: np.ndarray, k: int, index_dtype: Any = np.int64,
                    out_val: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """Exact top-k of a flat NumPy float vector as ``(indices, values, real)`` of length k.
 
-    Two radix passes find the k-th largest magnitude, one more emits the
-    entries above it and the first ties (ascending index order), then
+    float32: two passes, the radix select of the k-th largest magnitude fused
+    with the packing (:func:`~horovod_compress.kernels.scatter.topk_coo_float32`);
+    float64: the radix select, then one pass emitting the entries above it and
+    the first ties (:func:`~horovod_compress.kernels.scatter.topk_coo`); then
     ``k - real`` padding pairs ``(0, 0.0)`` when ``flat`` has fewer than k
     nonzeros (:mod:`horovod_compress.kernels.scatter`). ``out_idx``/``out_val``
     (length >= k) are written in place when given -- e.g. the two halves of a
@@ -72,6 +74,9 @@ def exact_topk_coo(flat: np.ndarray, k: int, index_dtype: Any = np.int64,
         out_val = np.empty(k, flat.dtype)
     if k <= 0:
         return out_idx[:0], out_val[:0], 0
+    if flat.dtype == np.float32 and k <= flat.size:
+        from ..kernels.scatter import topk_coo_float32   # the radix select fused with the packing
+        return out_idx, out_val, topk_coo_float32(flat, k, out_idx, out_val)
     thr = kth_largest_abs(flat, k)
     real = topk_coo(flat, thr, k, out_idx, out_val)
     return out_idx, out_val, real

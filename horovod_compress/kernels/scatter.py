@@ -89,6 +89,85 @@ def topk_coo(x: np.ndarray, thr: float, k: int, out_idx: np.ndarray,
 
 
 @njit(cache=True)
+def _topk_coo_radix32(x, bits, k, out_idx, out_val):
+    """Exact top-k of float32 ``x`` (``bits`` its uint32 view) in two passes; returns ``real``.
+
+    The radix select of :func:`kernels.selection.kth_largest_abs` fused with
+    the packing: pass 1 histograms the top 16 bits of the keys
+    ``bits & 0x7FFFFFFF`` (which order like ``|x|``) and finds the digit d1
+    holding the k-th largest key. Pass 2 writes every entry whose top digit
+    is above d1 straight to the output (all of them are in the top k) and
+    collects the entries with top digit d1 -- the only candidates left, in
+    index order -- while histogramming their low 16 bits; the low digit d2
+    then gives the exact k-th largest key T = d1 << 16 | d2, and the
+    candidates above T plus the first ``k - written`` candidates equal to T
+    complete the selection (the same set as :func:`topk_coo`: above the
+    k-th largest magnitude, then the lowest-index ties). Zeros are never
+    selected; missing entries are padded with ``(0, 0.0)``.
+    """
+    n = x.size
+    hist = np.zeros(65536, np.int64)
+    for i in range(n):
+        hist[(bits[i] & np.uint32(0x7FFFFFFF)) >> np.uint32(16)] += 1
+    remaining = k
+    d1 = 65535
+    while d1 > 0 and hist[d1] < remaining:
+        remaining -= hist[d1]
+        d1 -= 1
+    ncand = hist[d1]
+    cand = np.empty(ncand, np.int64)
+    hist[:] = 0
+    w = 0
+    c = 0
+    hi1 = np.uint32(d1)
+    for i in range(n):
+        key = bits[i] & np.uint32(0x7FFFFFFF)
+        hi = key >> np.uint32(16)
+        if hi > hi1:
+            out_idx[w] = i
+            out_val[w] = x[i]
+            w += 1
+        elif hi == hi1:
+            cand[c] = i
+            c += 1
+            hist[key & np.uint32(0xFFFF)] += 1
+    d2 = 65535
+    while d2 > 0 and hist[d2] < remaining:
+        remaining -= hist[d2]
+        d2 -= 1
+    t = (np.uint32(d1) << np.uint32(16)) | np.uint32(d2)
+    ties = remaining if t != np.uint32(0) else 0      # a zero key is never selected
+    for j in range(c):
+        i = cand[j]
+        key = bits[i] & np.uint32(0x7FFFFFFF)
+        if key > t or (key == t and ties > 0):
+            if key == t:
+                ties -= 1
+            out_idx[w] = i
+            out_val[w] = x[i]
+            w += 1
+    for q in range(w, k):
+        out_idx[q] = 0
+        out_val[q] = 0
+    return w
+
+
+def topk_coo_float32(x: np.ndarray, k: int, out_idx: np.ndarray, out_val: np.ndarray) -> int:
+    """Exact top-k of a flat float32 vector as COO in two passes (see :func:`_topk_coo_radix32`).
+
+    Same contract as :func:`topk_coo` without a precomputed threshold:
+    ``k`` slots of ``out_idx``/``out_val`` written, the first ``real =
+    min(k, nnz)`` real entries (above the k-th largest ``|x|`` in index
+    order, then the lowest-index ties), the rest ``(0, 0.0)``. Returns ``real``.
+    """
+    if k <= 0:
+        return 0
+    if k > x.size:
+        raise ValueError(f"k = {k} exceeds the {x.size} entries")
+    return int(_topk_coo_radix32(x, x.view(np.uint32), int(k), out_idx, out_val))
+
+
+@njit(cache=True)
 def _scatter_add(out, idx, val, scale):
     for j in range(idx.size):
         out[idx[j]] += val[j] * scale
@@ -226,4 +305,4 @@ def is_power_of_two(p: int) -> bool:
 
 
 __all__ = ["RowScratch", "SparseScratch", "row_local", "is_power_of_two", "scatter_add", "scatter_add_rows", "scatter_clear",
-           "scatter_set", "topk_coo"]
+           "scatter_set", "topk_coo", "topk_coo_float32"]
