@@ -11,7 +11,7 @@ from horovod_compress.testing import mpi_env, mpirun_command, run_cases
 FILE = CASES / "reliability_cases.py"
 CORE = ["case_mismatches_every_method", "case_nonfinite_policies_every_method",
         "case_nonfinite_raise_every_method", "case_torch_checkpoint_weights_only_every_method",
-        "case_torch_skip_step"]
+        "case_torch_skip_step", "case_keras_state_encoding_every_method"]
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["np2", "np3"])
@@ -60,3 +60,22 @@ def test_abort_hook_installed_by_default():
     proc, _ = _abort_run("disabled", {"HVDC_ABORT_ON_EXCEPTION": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.count("installed=True") == 2
+
+
+@pytest.mark.mpi
+def test_exception_under_horovodrun():
+    """The same under Horovod's launcher (it starts mpirun)."""
+    import os
+    import shutil
+    exe = shutil.which("horovodrun") or os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    if not os.path.exists(exe):
+        pytest.skip("horovodrun not installed")
+    env = mpi_env({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
+    start = time.monotonic()
+    proc = subprocess.run([exe, "-np", "2", "--mpi-args=--oversubscribe", sys.executable,
+                           str(CASES / "abort_script.py"), "main"],
+                          capture_output=True, text=True, timeout=90, env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "[hvdc] rank 1 of 2: uncaught RuntimeError" in out, out
+    assert time.monotonic() - start < 90

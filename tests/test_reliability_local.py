@@ -54,3 +54,21 @@ def test_safe_state_roundtrip_exact():
     assert type(w["i"]) is np.int64 and w["i"] == 7
     assert isinstance(w["tup"], tuple) and np.array_equal(w["tup"][0], np.ones(2))
     assert w["lst"][0] == 1 and type(w["lst"][0]) is np.int8
+
+
+def test_keras_state_refuses_pickles(monkeypatch):
+    pytest.importorskip("keras")
+    import pickle
+
+    from horovod_compress.keras.checkpoint import PICKLE_ENV, decode_state, encode_state
+    m = hvdc.Compression.topk()
+    legacy = np.frombuffer(pickle.dumps(m.state_dict()), dtype=np.uint8)
+    monkeypatch.delenv(PICKLE_ENV, raising=False)
+    with pytest.raises(ValueError, match=PICKLE_ENV):
+        decode_state(legacy)
+    monkeypatch.setenv(PICKLE_ENV, "1")
+    assert decode_state(legacy)["config"] == m.config()
+    blob = encode_state(m)
+    with pytest.raises(ValueError):
+        decode_state(blob[:-1] if blob.size > 40 else blob[:20])
+    assert decode_state(blob)["config"] == m.config()

@@ -13,6 +13,7 @@ import warnings
 import numpy as np
 
 import horovod_compress as hvdc
+from horovod_compress.compressors.base import TensorState
 from horovod_compress.kernels.exp_reduce import exp_reduce_packed
 from horovod_compress.mpi_collectives.reduce_ops import (
     allreduce_reduce_once,
@@ -263,21 +264,29 @@ def case_special_inputs(comm):
             x[:] = 0
         r = method.allreduce(x, "y", comm)
         assert np.isfinite(r).all() and _same_on_all_ranks(comm, r)
-        # 3. NaN / +Inf / -Inf on one rank: the dense allreduce's result on every rank
+        # 3. NaN / +Inf / -Inf on one rank: under nonfinite="propagate" (docs/failures.md)
+        # the dense allreduce's result on every rank, state untouched; the method's own
+        # safety net (norm = +inf -> dense fallback) gives the same result through _reduce
+        propagating = hvdc.Compression.global_qsgd(**kw, nonfinite="propagate")
         for bad in (np.nan, np.inf, -np.inf):
             x = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
             if comm.rank == p - 1:
                 x[7] = bad
             dense = comm.allreduce(x, op="avg")
+            r = propagating.allreduce(x, f"bad{bad}", comm)
+            assert np.array_equal(r, dense, equal_nan=True), (label, bad)
+            assert _same_on_all_ranks(comm, r)
+            assert f"bad{bad}" not in propagating.state
+            st = TensorState(t=1)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
-                r = method.allreduce(x, f"bad{bad}", comm)
+                r, _ = method._reduce(x, f"bad{bad}", comm, st)
             assert any(issubclass(w.category, RuntimeWarning) for w in caught), label
             assert np.array_equal(r, dense, equal_nan=True), (label, bad)
             assert _same_on_all_ranks(comm, r)
-            assert method.state[f"bad{bad}"]["dense_fallback_steps"] == 1
+            assert st["dense_fallback_steps"] == 1
         out[label] = True
-    q = hvdc.Compression.qsgd()
+    q = hvdc.Compression.qsgd(nonfinite="propagate")
     x = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
     if comm.rank == 0:
         x[3] = np.nan
