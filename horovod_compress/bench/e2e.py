@@ -388,23 +388,18 @@ def plot(report: dict[str, Any], path: Path) -> None:
         return
     ps = sorted({r["world_size"] for r in runs})
     fig, axes = plt.subplots(1, len(ps), figsize=(7 * len(ps), 5), squeeze=False)
+    from .plotting import method_style, speedup_axes
     labels = list(runs[0]["methods"])
-    cmap = plt.get_cmap("tab20")
-    markers = "osD^v<>pPhX*"
     for ax, p in zip(axes[0], ps):
         rr = sorted((r for r in runs if r["world_size"] == p), key=lambda r: parse_rate(r["bandwidth"]))
         xs = [parse_rate(r["bandwidth"]) / 1e9 for r in rr]
         for i, label in enumerate(labels):
             ys = [r["methods"].get(label, {}).get("speedup", float("nan")) for r in rr]
-            ax.plot(xs, ys, marker=markers[i % len(markers)], color=cmap(i % 20),
-                    linestyle="-" if i < 10 else "--", label=label)
-        ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("link bandwidth (Gbit/s, emulated)")
-        ax.set_ylabel("step speedup over dense")
-        ax.set_title(f"P = {p}, model {report['model']}")
-        ax.grid(True, which="both", alpha=0.3)
+            ax.plot(xs, ys, label=label, **method_style(i))
+        speedup_axes(ax, "link bandwidth (emulated)", "step speedup over dense",
+                     f"P = {p}, model {report['model']}")
+        ax.set_xticks(xs, [_fmt_bw(r["bandwidth"]) for r in rr])
+        ax.minorticks_off()
     axes[0][-1].legend(fontsize=7, ncol=2, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -121,19 +121,12 @@ def plot_scaling(profiles: dict[str, Any], net: Any, path: Path, max_p: int = 10
     import matplotlib.pyplot as plt
     ps = [2 ** i for i in range(1, int(math.log2(max_p)) + 1)]
     dense = profiles["none"]
+    from .plotting import method_style, speedup_axes
     fig, ax = plt.subplots(figsize=(8, 5))
-    cmap = plt.get_cmap("tab20")
-    markers = "osD^v<>pPhX*"
     for i, (label, prof) in enumerate(profiles.items()):
-        ax.plot(ps, [speedup(prof, dense, net, p) for p in ps], marker=markers[i % len(markers)],
-                color=cmap(i % 20), linestyle="-" if i < 10 else "--", label=label)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("ranks P")
-    ax.set_ylabel("predicted step speedup over dense")
-    ax.set_title(f"alpha-beta model on {net.name}")
-    ax.grid(True, which="both", alpha=0.3)
+        ax.plot(ps, [speedup(prof, dense, net, p) for p in ps], label=label, **method_style(i))
+    speedup_axes(ax, "ranks P", "predicted step speedup over dense", f"alpha-beta model on {net.name}",
+                 log_base_x=2)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
