@@ -20,7 +20,7 @@ import numpy as np
 from ..kernels.arrays import as_module_array, get_array_module
 from .base import Method, TensorState
 from .registry import register
-from .sparse_common import check_density, k_from_density
+from .sparse_common import check_density, k_from_density, sparse_local
 
 
 def shared_random_indices(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
@@ -70,8 +70,11 @@ class RandK(Method):
         scale = flat.dtype.type(flat.size / max(idx.size, 1)) if self.unbiased else None
         avg = xp.zeros_like(flat)
         avg[idx] = vals * scale if scale is not None else vals
-        local = xp.zeros_like(flat)
-        local[idx] = flat[idx] * scale if scale is not None else flat[idx]
+        if xp is np and scale is None:   # reused buffer, O(k) per step (issue 21)
+            local = sparse_local(self, name, flat.size, flat.dtype, idx, flat)
+        else:
+            local = xp.zeros_like(flat)
+            local[idx] = flat[idx] * scale if scale is not None else flat[idx]
         return avg.reshape(x.shape), local.reshape(x.shape)
 
     def expected_bytes(self, shape: tuple[int, ...], world_size: int, itemsize: int = 4) -> float:
