@@ -16,6 +16,7 @@ from typing import Sequence
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``hvdc`` argument parser, with every module's sub-commands registered."""
     parser = argparse.ArgumentParser(
         prog="hvdc", description="horovod-compress: compressed allreduce for data-parallel training")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

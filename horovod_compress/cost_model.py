@@ -52,6 +52,7 @@ class Network:
         return self.bandwidth / 8.0
 
     def with_bandwidth(self, bandwidth: float) -> "Network":
+        """A copy of this network with link rate ``bandwidth`` (bits/s)."""
         return replace(self, bandwidth=bandwidth)
 
 

@@ -32,6 +32,7 @@ def mpirun_command(nprocs: int) -> list[str]:
 
 
 def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for launching MPI ranks: one thread per rank, oversubscription allowed, quiet TF, plus ``extra``."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("NUMBA_NUM_THREADS", "1")

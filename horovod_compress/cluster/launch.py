@@ -129,4 +129,5 @@ def describe(spec: ClusterSpec, ranks: int) -> str:
 
 
 def quoted(command: list[str]) -> str:
+    """``command`` as one shell-quoted string (for printing)."""
     return " ".join(shlex.quote(c) for c in command)

@@ -108,9 +108,11 @@ class ClusterSpec:
         return f"{self.name}-sw"
 
     def host(self, i: int) -> str:
+        """Name of host ``i``'s network namespace (``<name>-h<i>``)."""
         return f"{self.name}-h{i}"
 
     def address(self, i: int) -> str:
+        """IPv4 address of host ``i`` inside the cluster's /24 subnet."""
         return f"{self.subnet}.{i + 1}"
 
     @property
@@ -193,6 +195,7 @@ def _shape(ns: str, dev: str, spec: ClusterSpec) -> None:
 
 
 def state_dir(name: str) -> Path:
+    """Folder that holds the state files of the cluster called ``name``."""
     return STATE_ROOT / name
 
 

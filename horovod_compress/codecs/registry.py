@@ -56,6 +56,7 @@ class IndexCodec:
         raise NotImplementedError
 
     def params(self) -> dict[str, Any]:
+        """The codec's parameters, as written into the method's ``config()`` (none by default)."""
         return {}
 
 
@@ -81,16 +82,19 @@ class ValueCodec:
         raise NotImplementedError
 
     def params(self) -> dict[str, Any]:
+        """The codec's parameters, as written into the method's ``config()`` (none by default)."""
         return {}
 
 
 def register_index_codec(cls: type[IndexCodec]) -> type[IndexCodec]:
+    """Class decorator: register an index codec under its ``name`` (its ``codec_id`` must be unique)."""
     _check_unique(cls, _INDEX, "index")
     _INDEX[cls.name] = cls
     return cls
 
 
 def register_value_codec(cls: type[ValueCodec]) -> type[ValueCodec]:
+    """Class decorator: register a value codec under its ``name`` (its ``codec_id`` must be unique)."""
     _check_unique(cls, _VALUE, "value")
     _VALUE[cls.name] = cls
     return cls
@@ -103,14 +107,17 @@ def _check_unique(cls: type, table: dict[str, type], kind: str) -> None:
 
 
 def index_codecs() -> list[str]:
+    """Names of the registered index codecs, in codec-id order."""
     return sorted(_INDEX, key=lambda k: _INDEX[k].codec_id)
 
 
 def value_codecs() -> list[str]:
+    """Names of the registered value codecs, in codec-id order."""
     return sorted(_VALUE, key=lambda k: _VALUE[k].codec_id)
 
 
 def index_codec_class(codec_id: int) -> type[IndexCodec]:
+    """The index codec class with wire id ``codec_id``; ``ContainerError`` if unknown."""
     for cls in _INDEX.values():
         if cls.codec_id == codec_id:
             return cls
@@ -120,6 +127,7 @@ def index_codec_class(codec_id: int) -> type[IndexCodec]:
 
 
 def value_codec_class(codec_id: int) -> type[ValueCodec]:
+    """The value codec class with wire id ``codec_id``; ``ContainerError`` if unknown."""
     for cls in _VALUE.values():
         if cls.codec_id == codec_id:
             return cls

@@ -24,20 +24,24 @@ class ByteWriter:
         self._parts: list[bytes] = []
 
     def u8(self, value: int) -> "ByteWriter":
+        """Append one unsigned byte (0..255)."""
         if not 0 <= value < 256:
             raise ValueError(f"u8 field out of range: {value}")
         self._parts.append(bytes((value,)))
         return self
 
     def u32(self, value: int) -> "ByteWriter":
+        """Append a little-endian unsigned 32-bit integer."""
         self._parts.append(struct.pack("<I", value))
         return self
 
     def u64(self, value: int) -> "ByteWriter":
+        """Append a little-endian unsigned 64-bit integer."""
         self._parts.append(struct.pack("<Q", value))
         return self
 
     def varint(self, value: int) -> "ByteWriter":
+        """Append an unsigned LEB128 integer (below 2**63)."""
         value = int(value)
         if not 0 <= value < 2**63:
             raise ValueError(f"varint field out of range: {value}")
@@ -50,6 +54,7 @@ class ByteWriter:
         return self
 
     def raw(self, data: bytes | bytearray | memoryview | np.ndarray) -> "ByteWriter":
+        """Append bytes (an array's raw, C-ordered bytes) without a length prefix."""
         if isinstance(data, np.ndarray):
             data = np.ascontiguousarray(data).tobytes()
         self._parts.append(bytes(data))
@@ -63,6 +68,7 @@ class ByteWriter:
         return self.raw(data)
 
     def getvalue(self) -> bytes:
+        """Everything written so far, as one ``bytes``."""
         return b"".join(self._parts)
 
 
@@ -78,12 +84,15 @@ class ByteReader:
 
     @property
     def remaining(self) -> int:
+        """Bytes left to read."""
         return len(self.data) - self.pos
 
     def fail(self, message: str) -> ContainerError:
+        """A :class:`ContainerError` with ``message``, what is being read and the position."""
         return ContainerError(f"{self.what}: {message} (at byte {self.pos} of {len(self.data)})")
 
     def take(self, n: int, field: str = "field") -> bytes:
+        """The next ``n`` bytes; ``ContainerError`` naming ``field`` if fewer are left."""
         if n < 0 or n > self.remaining:
             raise self.fail(f"truncated: {field} needs {n} bytes, {self.remaining} left")
         out = self.data[self.pos:self.pos + n]
@@ -91,12 +100,15 @@ class ByteReader:
         return out
 
     def u8(self, field: str = "u8") -> int:
+        """The next unsigned byte."""
         return self.take(1, field)[0]
 
     def u32(self, field: str = "u32") -> int:
+        """The next little-endian unsigned 32-bit integer."""
         return struct.unpack("<I", self.take(4, field))[0]
 
     def u64(self, field: str = "u64") -> int:
+        """The next little-endian unsigned 64-bit integer."""
         return struct.unpack("<Q", self.take(8, field))[0]
 
     def varint(self, field: str = "varint", limit: int | None = None) -> int:
@@ -114,6 +126,7 @@ class ByteReader:
         return value
 
     def blob(self, field: str = "blob") -> bytes:
+        """A length-prefixed (varint) byte string; the length is checked against what is left."""
         return self.take(self.varint(f"{field} length", self.remaining), field)
 
     def array(self, count: int, dtype: np.dtype | str, field: str = "array") -> np.ndarray:
@@ -124,8 +137,10 @@ class ByteReader:
             return np.frombuffer(data, dtype=dt).astype(dt.newbyteorder("="), copy=True)
 
     def rest(self) -> bytes:
+        """All bytes left."""
         return self.take(self.remaining, "rest")
 
     def expect_end(self) -> None:
+        """``ContainerError`` unless every byte has been read."""
         if self.remaining:
             raise self.fail(f"{self.remaining} unexpected trailing bytes")

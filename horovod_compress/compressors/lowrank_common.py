@@ -89,14 +89,17 @@ def orthogonalize(mat: np.ndarray, epsilon: float = 0.0) -> np.ndarray:
 
 
 def check_rank(method: str, rank: Any) -> int:
+    """``rank`` as an int >= 1, else ``ValueError`` naming ``method``."""
     return check_int(method, "rank", rank, 1)
 
 
 def check_min_rate(method: str, value: Any) -> float:
+    """``min_compression_rate`` as a float >= 0, else ``ValueError`` naming ``method``."""
     return check_float(method, "min_compression_rate", value, 0.0)
 
 
 def check_bool(method: str, name: str, value: Any) -> bool:
+    """``value`` as a bool (Python or NumPy), else ``ValueError`` naming ``method`` and ``name``."""
     if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{method}: {name} must be True or False, got {value!r}")
     return bool(value)

@@ -23,6 +23,7 @@ def k_from_density(method: str, density: float, n: int) -> int:
 
 
 def check_density(method: str, density: float) -> float:
+    """``density`` as a float in (0, 1], else ``ValueError`` naming ``method``."""
     return check_float(method, "density", density, 0.0, 1.0, low_open=True)
 
 

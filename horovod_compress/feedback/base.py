@@ -23,6 +23,7 @@ def register_feedback(cls: type["Feedback"]) -> type["Feedback"]:
 
 
 def available_feedback() -> list[str]:
+    """Names of the registered feedback kinds (``none``, ``residual``, ``ef21``, ``ef21m``)."""
     return sorted(_REGISTRY)
 
 
@@ -56,6 +57,7 @@ class Feedback:
         """Called after a dense (warm-up) step; schemes with trackers sync them here."""
 
     def params(self) -> dict[str, Any]:
+        """This feedback's parameters, as recorded in the method's ``config()`` (none by default)."""
         return {}
 
 

@@ -24,6 +24,11 @@ from .base import Feedback, register_feedback
 
 @register_feedback
 class ResidualFeedback(Feedback):
+    """EF14 error feedback: what compression dropped is added to the next gradient.
+
+    The residual ``e`` is kept per tensor: the method compresses ``x + e`` and
+    keeps ``e = x + e - C(x + e)`` (its own contribution ``C`` as the method reports it).
+    """
     name = "residual"
 
     def reduce(self, method: Any, x: np.ndarray, name: str, comm: Any, state: dict) -> np.ndarray:

@@ -78,6 +78,7 @@ class KernelEntry:
     _loaded: dict[str, Callable] | None = None
 
     def implementation(self, device: str) -> Callable:
+        """The kernel's function for ``device`` (``cpu``, ``gpu``, ``cpu_parallel``), imported once."""
         if device not in (CPU, GPU, PARALLEL):
             raise ValueError(f"device must be 'cpu', 'gpu' or 'cpu_parallel', got {device!r}")
         path = {CPU: self.cpu, GPU: self.gpu, PARALLEL: self.cpu_parallel}[device]

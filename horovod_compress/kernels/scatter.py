@@ -257,6 +257,10 @@ class SparseScratch:
 
     def fill(self, n: int, dtype: np.dtype, idx: np.ndarray, src: np.ndarray,
              count: int | None = None) -> np.ndarray:
+        """The reused n-element buffer holding ``src[:count]`` at ``idx[:count]`` and zeros elsewhere.
+
+        Only the entries the previous call set are cleared, so a call costs O(count), not O(n).
+        """
         dtype = np.dtype(dtype)
         if self.buf is None or self.buf.size != n or self.buf.dtype != dtype:
             self.buf = np.zeros(n, dtype)
@@ -283,6 +287,7 @@ class RowScratch:
         self.rows: np.ndarray = np.empty(0, np.int64)
 
     def fill(self, block: np.ndarray, rows: np.ndarray, m: int) -> np.ndarray:
+        """The reused m x n matrix holding ``block`` at ``rows`` and zeros elsewhere (O(K n) per call)."""
         n = block.shape[1]
         if self.buf is None or self.buf.shape != (m, n) or self.buf.dtype != block.dtype:
             self.buf = np.zeros((m, n), dtype=block.dtype)

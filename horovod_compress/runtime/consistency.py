@@ -27,6 +27,7 @@ class TensorMismatchError(ValueError):
 
 
 def digest(specs: Sequence[TensorSpec]) -> np.ndarray:
+    """16-byte BLAKE2b digest of the tensors' names, shapes and dtypes (compared across ranks)."""
     text = ";".join(f"{s.name}:{s.shape}:{s.dtype}" for s in specs)
     return np.frombuffer(hashlib.blake2b(text.encode(), digest_size=16).digest(), dtype=np.uint8)
 

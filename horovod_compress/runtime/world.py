@@ -162,9 +162,11 @@ class FrontEndWorld:
         return _COMM if _COMM is not None else self.init()
 
     def rank(self) -> int:
+        """This process's rank in the default communicator (initialises it if needed)."""
         return self.communicator().rank
 
     def size(self) -> int:
+        """Number of ranks in the default communicator (initialises it if needed)."""
         return self.communicator().size
 
     @staticmethod

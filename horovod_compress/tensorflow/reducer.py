@@ -84,6 +84,7 @@ class ExchangeStats:
     seconds: float = 0.0
 
     def copy(self) -> "ExchangeStats":
+        """A shallow copy (a snapshot of the counters)."""
         return copy.copy(self)
 
 
@@ -201,6 +202,7 @@ class GradientReducer:
         return [tf.cast(o, d) if o.dtype != d else o for o, d in zip(outs, vset.dtypes)]
 
     def variable_sets(self) -> list[_VariableSet]:
+        """The variable sets this reducer has seen, one per distinct list of variables."""
         return list(self._sets.values())
 
     @property
@@ -214,6 +216,7 @@ class GradientReducer:
         return sum(e.wait_seconds for s in self._sets.values() for e in s.exchanges())
 
     def close(self) -> None:
+        """Close every bucket exchange (stops their communication threads)."""
         for s in self._sets.values():
             for e in s.exchanges():
                 e.close()

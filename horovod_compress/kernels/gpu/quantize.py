@@ -29,6 +29,7 @@ from .rng import random_uniform
 # ------------------------------------------------------------------- linear
 @cuda.jit
 def linear_quantize_kernel(x, scale, levels, key, out):
+    """CUDA: stochastic linear quantization of ``x`` to signed levels in ``[-levels, levels]`` (grid-stride)."""
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
     while i < x.size:
@@ -66,6 +67,7 @@ def linear_quantize(x: Any, scale: float, levels: int, key: int) -> Any:
 
 @cuda.jit
 def linear_dequantize_kernel(q, scale, out):
+    """CUDA: ``out = q * scale`` level by level (grid-stride)."""
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
     while i < q.size:
@@ -85,6 +87,7 @@ def linear_dequantize(q: Any, scale: float, dtype: Any = np.float32) -> Any:
 # -------------------------------------------------------------- exponential
 @cuda.jit
 def exp_quantize_kernel(x, scale, emax, sign_shift, key, out):
+    """CUDA: stochastic exponential (power-of-two) dithering of ``x`` to sign + exponent codes (grid-stride)."""
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
     while i < x.size:
@@ -121,6 +124,7 @@ def exp_quantize(x: Any, scale: float, bits: int, key: int) -> Any:
 
 @cuda.jit
 def exp_dequantize_kernel(codes, scale, sign_shift, out):
+    """CUDA: the values of exponential codes, ``sign * scale * 2^-e`` (code 0 is zero; grid-stride)."""
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
     emask = (np.int64(1) << sign_shift) - 1
@@ -150,6 +154,7 @@ def exp_dequantize(codes: Any, scale: float, bits: int, dtype: Any = np.float32)
 # ------------------------------------------------------------------ packing
 @cuda.jit
 def pack_nibbles_kernel(codes, out):
+    """CUDA: two 4-bit codes per byte, element 2i in the low nibble (grid-stride)."""
     j = cuda.grid(1)
     stride = cuda.gridsize(1)
     n = codes.size
@@ -173,6 +178,7 @@ def pack_nibbles(codes: Any) -> Any:
 
 @cuda.jit
 def unpack_nibbles_kernel(packed, signed, out):
+    """CUDA: the inverse of :func:`pack_nibbles_kernel`, optionally sign-extending each nibble."""
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
     while i < out.size:
@@ -197,6 +203,7 @@ def unpack_nibbles(packed: Any, n: int, signed: bool = False) -> Any:
 
 @cuda.jit
 def nibble_add_kernel(a, b, out):
+    """CUDA: lane-wise sum of two packed 4-bit arrays (the reduction of 4-bit linear codes)."""
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
     while i < a.size:
