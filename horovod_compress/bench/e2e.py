@@ -58,8 +58,9 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster-name", default=None,
                    help="name of the emulated cluster it builds (default: e2e<pid>, so runs never share one)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per (P, bandwidth) run")
-    p.add_argument("--rerender", metavar="JSON", default=None,
-                   help="re-analyse and re-render an earlier run's JSON (no measurement)")
+    p.add_argument("--rerender", metavar="JSON", nargs="+", default=None,
+                   help="re-analyse and re-render earlier runs' JSON (no measurement); several files are "
+                        "merged into one report, e.g. P=2 and P=4 measured in two invocations")
     p.set_defaults(func=run)
 
 
@@ -100,8 +101,12 @@ def _worker_command(p: int, methods: list[str], args: argparse.Namespace, json_p
                      "--warm", str(args.warm), "--json", json_path]
 
 
-def _stream(cmd: list[str], env: dict[str, str], bar: Any, label: str, timeout: float) -> None:
-    """Run the workers, advancing ``bar`` on each progress line; raise with stderr's tail on failure."""
+def _stream(cmd: list[str], env: dict[str, str], bar: Any, label: str, timeout: float,
+            json_path: str | None = None) -> None:
+    """Run the workers, advancing ``bar`` on each progress line; raise with stderr's tail on failure.
+
+    A rank that fails writes its traceback to ``<json_path>.rank<r>.err`` (see :mod:`.e2e_worker`):
+    Open MPI may drop an aborting remote rank's stderr, so those files are read too."""
     import threading
     with tempfile.TemporaryFile(mode="w+") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
@@ -131,8 +136,13 @@ def _stream(cmd: list[str], env: dict[str, str], bar: Any, label: str, timeout: 
             raise RuntimeError(f"benchmark workers at {label} did not finish within {timeout:.0f} s (--timeout)")
         if rc != 0:
             err.seek(0)
+            ranks = ""
+            if json_path:
+                import glob
+                for f in sorted(glob.glob(glob.escape(json_path) + ".rank*.err")):
+                    ranks += f"--- {os.path.basename(f)} ---\n{Path(f).read_text()[-3000:]}\n"
             raise RuntimeError(f"benchmark workers failed (exit {rc}) at {label}:\n{''.join(other)[-2000:]}"
-                               f"{err.read()[-4000:]}")
+                               f"{err.read()[-4000:]}{ranks}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,9 +151,13 @@ def run(args: argparse.Namespace) -> int:
     from ..cluster import ClusterSpec, EmulatedCluster, cluster_env, describe, in_host, threads_per_rank
     from ..testing import mpi_env
     if args.rerender:
-        old = json.loads(Path(args.rerender).read_text())
-        report = analyse(old["runs"], args)
-        report.update({k: old[k] for k in ("when", "command", "machine", "versions") if k in old})
+        olds = [json.loads(Path(f).read_text()) for f in args.rerender]
+        report = analyse([r for old in olds for r in old["runs"]], args)
+        for key in ("when", "command", "machine", "versions", "commit"):
+            values = [old[key] for old in olds if key in old]
+            if values:
+                report[key] = values[0] if len(set(values)) == 1 else "; ".join(dict.fromkeys(values))
+        report["failed_runs"] = [f for old in olds for f in old.get("failed_runs", [])]
         write_results(report, Path(args.out), args.name)
         print(render_markdown(report))
         return 0
@@ -160,6 +174,15 @@ def run(args: argparse.Namespace) -> int:
         for bw in bws:
             parse_rate(bw)
     runs: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []       # a run that fails or times out is reported, the others kept
+
+    def measure(cmd: list[str], env: dict[str, str], p: int, bw: str, path: str) -> None:
+        try:
+            _stream(cmd, env, bar, f"P={p} {bw}", args.timeout, path)
+            runs.append({"bandwidth": bw, **json.loads(Path(path).read_text())})
+        except RuntimeError as exc:
+            tqdm.write(f"[e2e] P={p} {bw}: {exc}", file=sys.stderr)
+            failed.append({"world_size": p, "bandwidth": bw, "error": str(exc)[-3000:]})
     total = len(args.hosts) * len(bws) * (len(methods) + 1)
     with tempfile.TemporaryDirectory(prefix="hvdc-e2e-") as tmp, \
             tqdm(total=total, desc="e2e", unit="item", file=sys.stderr) as bar:
@@ -170,8 +193,7 @@ def run(args: argparse.Namespace) -> int:
                                                          "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")})
                 path = os.path.join(tmp, f"p{p}-shm.json")
                 tqdm.write(f"[e2e] P={p} on shared memory, {threads} thread(s) per rank", file=sys.stderr)
-                _stream(_worker_command(p, methods, args, path, True), env, bar, f"P={p} shm", args.timeout)
-                runs.append({"bandwidth": SHM, **json.loads(Path(path).read_text())})
+                measure(_worker_command(p, methods, args, path, True), env, p, SHM, path)
                 continue
             spec = ClusterSpec(hosts=p, bandwidth=bws[0], name=args.cluster_name or f"e2e{os.getpid() % 10**8}")
             with EmulatedCluster(spec) as cluster:
@@ -180,16 +202,19 @@ def run(args: argparse.Namespace) -> int:
                     tqdm.write(f"[e2e] {describe(cluster.spec, p)}", file=sys.stderr)
                     path = os.path.join(tmp, f"p{p}-{bw}.json")
                     cmd = in_host(cluster.spec, _worker_command(p, methods, args, path, False))
-                    _stream(cmd, cluster_env(cluster.spec, p), bar, f"P={p} {bw}", args.timeout)
-                    runs.append({"bandwidth": bw, **json.loads(Path(path).read_text())})
+                    measure(cmd, cluster_env(cluster.spec, p), p, bw, path)
     report = analyse(runs, args)
+    report["failed_runs"] = failed
     if not args.no_cluster:
         from ..cluster import namespaces_of
         name = args.cluster_name or f"e2e{os.getpid() % 10**8}"
         report["namespaces_left"] = namespaces_of(name)
     write_results(report, Path(args.out), args.name)
     print(render_markdown(report))
-    return 0
+    if failed:
+        print(f"[e2e] {len(failed)} run(s) failed: " + ", ".join(f"P={f['world_size']} {f['bandwidth']}"
+                                                            for f in failed), file=sys.stderr)
+    return 1 if failed or not runs else 0
 
 
 # ----------------------------------------------------------------- analysis
@@ -260,9 +285,23 @@ def analyse(runs: list[dict[str, Any]], args: argparse.Namespace | None = None) 
                    f"{platform.release()}",
         "versions": f"Python {platform.python_version()}, torch {torch.__version__}, NumPy {np.__version__}, "
                     f"{MPI.Get_library_version().splitlines()[0].strip()}",
+        "commit": _commit(),
         "model": runs[0]["model"] if runs else None,
         "runs": runs,
     }
+
+
+def _commit() -> str:
+    """The source's git commit (with ``+dirty`` for uncommitted changes), or ``unknown``."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no",
+                                "--", "horovod_compress"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head + ("+dirty" if dirty else "")) if head else "unknown"
 
 
 def write_results(report: dict[str, Any], out: Path, name: str) -> None:
@@ -283,12 +322,16 @@ def _fmt_bw(bw: str) -> str:
 
 def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
     runs = report["runs"]
+    failed = report.get("failed_runs", [])
+    failures = ["", "## Runs that did not finish", ""] + [
+        f"- P={f['world_size']} {_fmt_bw(f['bandwidth'])}: " + f["error"].strip().splitlines()[0]
+        for f in failed] if failed else []
     if not runs:
-        return "no runs\n"
+        return "no runs\n" + "\n".join(failures) + "\n"
     first = runs[0]
     lines = [f"# Whole training steps on shaped links (`hvdc bench e2e`)", "",
              f"Measured {report['when']} with `{report['command'].strip()}` on {report['machine']}; "
-             f"{report['versions']}.", "",
+             f"{report['versions']}; source at commit `{report.get('commit', 'unknown')}`.", "",
              f"Model `{first['model']}`: {first['parameters'] / 1e6:.2f}M parameters in {first['tensors']} tensors, "
              f"synthetic inputs. One rank per emulated host, {first['threads_per_rank']} thread(s) per rank "
              f"(the machine's cores shared out), `overlap=False` so the parts add up, warm-up steps off "
@@ -374,7 +417,7 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
                                            "`ip netns list` shows none of the run's namespaces (torn down).")]
     if plot:
         lines += ["", f"![speedup against bandwidth]({plot})"]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + failures) + "\n"
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

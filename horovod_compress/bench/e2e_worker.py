@@ -203,6 +203,26 @@ def time_method(name: str, params: dict[str, Any], model_name: str, comm: Any, s
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run :func:`_main`; a rank that fails writes its traceback to ``<json>.rank<r>.err`` first.
+
+    Open MPI may drop the stderr of a remote rank that aborts (the project's
+    excepthook calls ``MPI_Abort``), so the launcher reads these files to say why a run failed."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        _main(args)
+    except BaseException:
+        import traceback
+        rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "x"))
+        try:
+            with open(f"{args.json}.rank{rank}.err", "w") as fh:
+                traceback.print_exc(file=fh)
+        except OSError:
+            pass
+        raise
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="one rank of hvdc bench e2e")
     parser.add_argument("--methods", required=True, help="comma-separated; name or name:json-params")
     parser.add_argument("--model", default="transformer")
@@ -211,7 +231,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--probe-repeats", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", required=True)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _main(args: argparse.Namespace) -> None:
     import torch
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from ..mpi_collectives import Communicator
