@@ -1,22 +1,72 @@
 """The ``hvdc`` command.
 
-Sub-commands come from modules: every module in :mod:`horovod_compress.bench`
-that defines ``register(subparsers)`` adds its own (``hvdc train``,
-``hvdc bench volume`` ...). ``hvdc bench <name>`` commands register under the
-``bench`` group through ``register_bench(bench_subparsers)``.
+Sub-commands live in :mod:`horovod_compress.bench` modules: a module that
+defines ``register(subparsers)`` adds top-level commands (``hvdc train``), one
+that defines ``register_bench(subparsers)`` adds ``hvdc bench <name>``
+commands. Start-up imports none of them: :data:`COMMANDS` and
+:data:`BENCH_COMMANDS` name each command's module and one-line help, ``hvdc -h``
+lists them from there, and only the module of the command being run is
+imported (so ``hvdc methods`` works without the benchmark extras, e.g.
+matplotlib, installed). A test checks that the tables name every module's
+commands.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import os
-import pkgutil
 import sys
 from typing import Sequence
 
+#: Top-level commands: name -> (module in horovod_compress.bench, help).
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("train", "train the digits MLP on P ranks with a compression method"),
+    "cluster": ("cluster", "emulated cluster: hosts in network namespaces with shaped links"),
+    "model": ("model_cmd", "alpha-beta model: step time, speedup, break-even bandwidth per method"),
+}
 
-def build_parser() -> argparse.ArgumentParser:
-    """The ``hvdc`` argument parser, with every module's sub-commands registered."""
+#: ``hvdc bench <name>``: name -> (module in horovod_compress.bench, help).
+BENCH_COMMANDS: dict[str, tuple[str, str]] = {
+    "all": ("all", "run the whole suite, record machine/versions, regenerate the results pages"),
+    "arc": ("arc", "ARC-Top-K: compression error and bytes on real gradients"),
+    "compute": ("compute", "one compressed allreduce per method on shared memory at P = 1, 2, 4 vs memcpy and dense"),
+    "convergence": ("convergence", "accuracy of every method at paper defaults"),
+    "deepreduce": ("deepreduce", "DeepReduce: bytes of index/value codecs on Top-k of real gradients"),
+    "e2e": ("e2e", "training steps of every method on an emulated cluster with shaped links"),
+    "hot_path": ("hot_path", "ms of one compressed allreduce vs memcpy and dense"),
+    "kernels": ("kernels", "kernel speed vs memcpy and vs the library calls they replace"),
+    "kernels-gpu": ("kernels_gpu", "GPU kernel speed vs device memcpy, the CPU kernel and library calls"),
+    "lowrank": ("lowrank", "GreedyLore vs PowerSGD vs lazy projection"),
+    "oktopk-counts": ("oktopk_counts", "Ok-Topk's selected local/global counts vs k"),
+    "overlap": ("overlap", "seconds per step with and without overlap"),
+    "qsgd": ("qsgd", "Global-QSGD: quantize/dequantize and reduce-operator speed"),
+    "qsgd-model": ("qsgd_model", "Global-QSGD performance model (eq. 10): when does it pay?"),
+    "selection": ("selection", "top-k selection by a reused threshold vs torch.topk"),
+    "tf_bridge": ("tf_bridge", "cost of the TensorFlow <-> NumPy bridge per step"),
+    "volume": ("volume", "bytes per rank per step of the sparse allreduces vs P"),
+}
+
+
+def _bench_module(module: str) -> object:
+    return importlib.import_module(f"horovod_compress.bench.{module}")
+
+
+def _chosen(argv: Sequence[str]) -> tuple[str | None, str | None]:
+    """The command (and, for ``bench``, the benchmark) named in ``argv``, if any."""
+    words = [a for a in argv if not a.startswith("-")]
+    command = words[0] if words else None
+    bench = words[1] if command == "bench" and len(words) > 1 else None
+    return command, bench
+
+
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``hvdc`` argument parser.
+
+    Every command is listed with its help; only the command that ``argv``
+    names gets its full parser, from its module (imported here). With
+    ``argv=None`` no benchmark module is imported.
+    """
+    command, bench_name = _chosen(list(argv or []))
     parser = argparse.ArgumentParser(
         prog="hvdc", description="horovod-compress: compressed allreduce for data-parallel training")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -24,13 +74,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench_sub = bench.add_subparsers(dest="bench", metavar="BENCHMARK", required=True)
     listing = sub.add_parser("methods", help="list the compression methods and their parameters")
     listing.set_defaults(func=_list_methods)
-    from . import bench as bench_pkg
-    for mod in pkgutil.iter_modules(bench_pkg.__path__):
-        module = importlib.import_module(f"{bench_pkg.__name__}.{mod.name}")
-        if hasattr(module, "register"):
-            module.register(sub)
-        if hasattr(module, "register_bench"):
-            module.register_bench(bench_sub)
+    for name, (module, text) in COMMANDS.items():
+        if name == command:
+            _bench_module(module).register(sub)  # type: ignore[attr-defined]
+        else:
+            sub.add_parser(name, help=text)
+    for name, (module, text) in BENCH_COMMANDS.items():
+        if command == "bench" and name == bench_name:
+            _bench_module(module).register_bench(bench_sub)  # type: ignore[attr-defined]
+        else:
+            bench_sub.add_parser(name, help=text)
     return parser
 
 
@@ -51,7 +104,8 @@ def _list_methods(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a sub-command. A bad option value (``ValueError``) prints ``hvdc: error: ...`` and
     exits with 2, as argparse does for its own errors; ``HVDC_DEBUG=1`` shows the traceback."""
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

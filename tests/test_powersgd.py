@@ -97,6 +97,7 @@ def test_orthogonalize_keeps_zero_column_zero():
 def test_torch_q_init_reproduces_hook_seeding():
     """q_init='torch': RandomState(seed).randint(1e9) -> torch.manual_seed -> randn(1, cols, r)."""
     torch = pytest.importorskip("torch")
+    import horovod_compress.torch  # noqa: F401  (registers the torch generator)
     m = hvdc.Compression.powersgd(rank=3, q_init="torch", seed=17)
     rs = np.random.RandomState(17)
     for _ in range(3):
@@ -104,6 +105,15 @@ def test_torch_q_init_reproduces_hook_seeding():
         want = torch.randn(1, 11, 3, dtype=torch.float32)[0].numpy()
         got = m.initial_q("w", 1, 11, 3, np.dtype(np.float32))
         assert np.array_equal(got, want)
+
+
+def test_torch_q_init_needs_the_torch_front_end(monkeypatch):
+    """The core never imports torch: without horovod_compress.torch's generator, q_init='torch' says so."""
+    from horovod_compress.compressors import powersgd
+    monkeypatch.delitem(powersgd.Q_SOURCES, "torch", raising=False)
+    m = hvdc.Compression.powersgd(rank=3, q_init="torch", seed=17)
+    with pytest.raises(RuntimeError, match="import horovod_compress.torch"):
+        m.initial_q("w", 1, 11, 3, np.dtype(np.float32))
 
 
 @pytest.mark.parametrize("kwargs, words", [

@@ -114,3 +114,43 @@ def test_row_scratch_erases_previous_rows():
     assert a[[0, 4]].all() and not a[[1, 2, 3]].any()
     b = s.fill(np.full((1, 3), 2.0, np.float32), np.array([2]), 5)
     assert b is a and b[2].tolist() == [2.0, 2.0, 2.0] and not b[[0, 1, 3, 4]].any()
+
+
+def test_support_of_names_the_last_fill_only_for_its_own_buffer():
+    scratch = SparseScratch()
+    src = np.arange(10, dtype=np.float32) + 1
+    buf = scratch.fill(10, np.float32, np.array([7, 2, 2], np.int64), src, count=2)
+    assert scratch.support_of(buf).tolist() == [7, 2]
+    assert scratch.support_of(buf.reshape(2, 5)).tolist() == [7, 2]   # C-order view
+    assert scratch.support_of(buf.copy()) is None                      # another buffer
+    assert scratch.support_of(buf.reshape(2, 5).T) is None             # not C-order
+
+
+@pytest.mark.parametrize("name", ["topk", "randk", "gaussiank", "topk_dsa", "gtopk"])
+def test_sparse_residual_update_equals_the_dense_one(name, monkeypatch):
+    """EF14 subtracts ``local`` only on its support; the residual is bit-identical to ``acc - local``."""
+    import horovod_compress as hvdc
+    from horovod_compress.compressors.base import Method
+    from horovod_compress.mpi_collectives import Communicator
+    comm = Communicator()
+    grads = [np.random.default_rng(s).standard_normal((60, 70)).astype(np.float32)
+             for s in range(4)]
+    residuals, used = {}, []
+    sparse_support = Method.local_support
+
+    def spy(self, n, local):
+        support = sparse_support(self, n, local)
+        used.append(support is not None)
+        return support
+
+    for mode in ("sparse", "dense"):
+        monkeypatch.setattr(Method, "local_support",
+                            spy if mode == "sparse" else (lambda self, n, local: None))
+        m = hvdc.Compression.by_name(name, density=0.05)
+        outs = [m.allreduce(g, "g", comm).copy() for g in grads]
+        residuals[mode] = (m.state["g"]["fb_residual"].copy(), outs)
+    assert np.array_equal(residuals["sparse"][0], residuals["dense"][0])
+    for a, b in zip(residuals["sparse"][1], residuals["dense"][1]):
+        assert np.array_equal(a, b)
+    assert np.count_nonzero(residuals["sparse"][0]) > 0
+    assert used and all(used)        # the O(k) update ran on every step

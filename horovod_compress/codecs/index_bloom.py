@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ..compressors.params import check_choice, check_float
+from ..params import check_choice, check_float
 from ..kernels import bloom as kb
 from ..kernels import dispatch
 from .registry import IndexCodec, IndexEncoding, register_index_codec

@@ -52,7 +52,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from ..compressors.params import check_float, check_int
+from ..params import check_float, check_int
 from .registry import ValueCodec, register_value_codec
 from .wire import ByteReader, ByteWriter
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..compressors.params import check_int
+from ..params import check_int
 from .registry import ValueCodec, register_value_codec
 from .wire import ByteReader, ContainerError
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from ..compressors.params import check_int
+from ..params import check_int
 from .bitio import OK, bits_for, pack_fixed, unpack_fixed
 from .registry import ValueCodec, register_value_codec
 from .wire import ByteReader, ByteWriter, ContainerError

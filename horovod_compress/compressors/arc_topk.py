@@ -54,7 +54,7 @@ from ..kernels.arrays import as_module_array, get_array_module, to_host
 from ..kernels.rows import matrix_shape, top_rows
 from ..kernels.scatter import row_local
 from .base import Method, TensorState
-from .params import check_int
+from ..params import check_int
 from .registry import register
 from .row_common import check_ratio, rows_from_ratio
 

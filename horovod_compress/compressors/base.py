@@ -37,7 +37,7 @@ from ..kernels.arrays import (
     to_host,
 )
 from ..runtime.consistency import NEW_SIGNATURE, NONFINITE, agree, check_same_signature
-from .params import check_int
+from ..params import check_int
 
 NONFINITE_POLICIES = ("raise", "skip", "propagate")
 NONFINITE_ENV = "HVDC_NONFINITE"
@@ -96,8 +96,12 @@ class Method:
       (runs per tensor, on its 2-D view);
     * ``biased`` -- whether error feedback applies by default;
     * ``default_feedback`` -- the feedback used when the caller gives none;
-    * ``horovod_compatible`` -- stateless and expressible as compress, dense
-      allreduce, decompress, so it also plugs into ``hvd.DistributedOptimizer``;
+    * ``horovod_compatible`` -- Horovod's own allreduce performs the method
+      (a cast around it: none, fp16). Every method plugs into
+      ``hvd.DistributedOptimizer``/``DistributedGradientTape``/``hvd.allreduce``
+      through :meth:`compress`/:meth:`decompress`
+      (:mod:`horovod_compress.horovod_compat`); the others run their own
+      exchange there and hand Horovod a placeholder;
     * ``gpu_native`` -- ``_reduce`` is written against the array module of
       its input (``xp = get_array_module(x)``) and the kernel dispatcher, so a
       CuPy gradient is compressed on the GPU end to end. Other methods accept
@@ -240,6 +244,29 @@ class Method:
     def params(self) -> dict[str, Any]:
         """Method-specific hyperparameters; subclasses extend."""
         return {}
+
+    def local_support(self, name: str, local: Any) -> Any:
+        """Flat indices outside which ``local`` (from the last ``_reduce`` of ``name``) is zero.
+
+        Sparsifiers build ``local`` in a reused buffer
+        (:func:`~horovod_compress.compressors.sparse_common.sparse_local`) and
+        know where it is nonzero, so error feedback can update its residual
+        in O(k) rather than O(n). ``None`` (the default) means: treat
+        ``local`` as dense.
+        """
+        scratch = self.__dict__.get("_local_scratch", {}).get(name)
+        return None if scratch is None else scratch.support_of(local)
+
+    # ------------------------------------------- Horovod's Compressor protocol
+    def compress(self, tensor: Any) -> tuple[Any, Any]:
+        """Horovod ``Compressor.compress`` (torch or TF tensor): see :mod:`horovod_compress.horovod_compat`."""
+        from ..horovod_compat import compress
+        return compress(self, tensor)
+
+    def decompress(self, tensor: Any, ctx: Any) -> Any:
+        """Horovod ``Compressor.decompress``: the method's result as Horovod's reduction would scale it."""
+        from ..horovod_compat import decompress
+        return decompress(self, tensor, ctx)
 
     # --------------------------------------------------------- subclass API
     def _reduce(self, x: np.ndarray, name: str, comm: Any,

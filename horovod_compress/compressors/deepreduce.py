@@ -45,7 +45,7 @@ import numpy as np
 from .. import codecs
 from ..codecs import container
 from .base import Method, TensorState
-from .params import check_choice
+from ..params import check_choice
 from .registry import create, method_class, register
 from .sparse_common import scatter_sum
 
@@ -185,6 +185,8 @@ class DeepReduce(Method):
                 state: TensorState) -> tuple[np.ndarray, np.ndarray]:
         flat = x.reshape(-1)
         n = flat.size
+        if self._self_comm is None and getattr(comm, "backend", "mpi") != "mpi":
+            self._self_comm = comm.self_communicator()   # e.g. torch.distributed: no MPI
         enc, support, source = self._encode(flat, name, state.t, comm.rank)
         gathered, counts = comm.allgatherv(np.frombuffer(enc.data, dtype=np.uint8))
         bounds = np.concatenate([[0], np.cumsum(counts)])

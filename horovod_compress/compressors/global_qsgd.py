@@ -84,7 +84,7 @@ from ..kernels.quantize import (
     unpack_nibbles,
 )
 from .base import Method, TensorState
-from .params import check_choice, check_int
+from ..params import check_choice, check_int
 from .registry import register
 
 _SPARSE_INDEX_BYTES = 4  # uint32 index per nonzero entry
@@ -159,7 +159,6 @@ class GlobalQSGD(Method):
         super().__init__(feedback=feedback, warmup_steps=warmup_steps, seed=seed, **feedback_params)
         self.horovod_compatible = (self.dithering == "linear" and self.bits == 8
                                    and self.sparse is False)
-        self._horovod_calls: dict[tuple, int] = {}
 
     def params(self) -> dict[str, Any]:
         return {"dithering": self.dithering, "bits": self.bits, "norm": self.norm,
@@ -311,9 +310,8 @@ class GlobalQSGD(Method):
         with comm.phase("global_qsgd.payload"):
             if self.bits == 8:
                 return comm.allreduce(q, op="sum")
-            from ..mpi_collectives.reduce_ops import nibble_sum_op
             packed = dispatch.call("pack_nibbles", q)
-            total = as_module_array(comm.allreduce(to_host(packed), op=nibble_sum_op()),
+            total = as_module_array(comm.allreduce_custom(to_host(packed), "nibble"),
                                     get_array_module(q))
         return dispatch.call("unpack_nibbles", total, q.size, True)
 
@@ -325,14 +323,10 @@ class GlobalQSGD(Method):
         codes (1 byte or half a byte per element, a quarter or an eighth of
         the gradient) are copied to the host for the reduction and back.
         """
-        from ..mpi_collectives.reduce_ops import (
-            allreduce_reduce_once,
-            exp_sum_op,
-            reduce_stream,
-        )
+        from ..mpi_collectives.reduce_ops import reduce_stream
         payload = codes if self.bits == 8 else dispatch.call("pack_nibbles", codes)
         with reduce_stream(int(rkey)) as stream, comm.phase("global_qsgd.payload"):
-            total = allreduce_reduce_once(comm, to_host(payload), exp_sum_op(self.bits))
+            total = comm.allreduce_custom(to_host(payload), f"exp{self.bits}")
             saturated = stream.saturated
         if saturated:
             state["saturated"] = int(state.get("saturated", 0)) + saturated
@@ -373,69 +367,3 @@ class GlobalQSGD(Method):
         all_idx = np.concatenate(idx_parts).astype(np.int64)
         all_val = np.concatenate(val_parts)
         return np.bincount(all_idx, weights=all_val, minlength=n)
-
-    # ------------------------------------------------- Horovod's Compressor protocol
-    def compress(self, tensor: Any) -> tuple[Any, Any]:
-        """Horovod ``Compressor.compress`` for the linear 8-bit variant (PyTorch tensors).
-
-        Use with ``hvd.DistributedOptimizer(..., compression=method, op=hvd.Sum)``.
-        This call MAX-allreduces the local norm through Horovod
-        (``hvd.allreduce(op=hvd.Max)``, blocking; every rank must compress the
-        same tensors in the same order, as Horovod's optimizer does), quantizes
-        to levels |q| <= s = floor(127 / P) -- the same levels as the MPI path
-        -- and returns them as biased byte lanes, seven per int64 word
-        (:func:`~horovod_compress.kernels.quantize.pack_biased_lanes`), because
-        Horovod's PyTorch allreduce has no 8-bit integer type. Horovod sums the
-        words with its own allreduce (8/7 bytes per element); since every lane
-        total stays <= 2sP <= 254 the lanes never carry into each other, and
-        :meth:`decompress` unpacks the level sums and multiplies by norm / (s P).
-        ``op=hvd.Sum`` is required: Horovod's ``Average`` divides integers in
-        C++ with truncation. Exponential dithering needs its custom reduction
-        operator and 4-bit linear a nibble-wise sum, neither of which Horovod
-        offers, so those variants refuse with ``ValueError``. A NaN/Inf on any
-        rank sends the float tensor itself (dense; same decision on every rank).
-        """
-        if not self.horovod_compatible:
-            raise ValueError(
-                f"global_qsgd(dithering={self.dithering!r}, bits={self.bits}, sparse={self.sparse!r}) "
-                "cannot run inside Horovod's allreduce: only dithering='linear', bits=8, sparse=False "
-                "reduces with a plain integer sum. Exponential dithering needs its custom MPI "
-                "reduction operator and 4-bit linear a nibble-wise sum, which Horovod's allreduce "
-                "(Sum/Average/Min/Max/Product/Adasum) cannot apply; use "
-                "horovod_compress.torch.DistributedOptimizer for those")
-        if type(tensor).__module__.split(".")[0] != "torch":
-            raise TypeError("global_qsgd's Horovod adapter quantizes PyTorch tensors; with "
-                            "TensorFlow use horovod_compress.tensorflow.DistributedGradientTape")
-        import horovod.torch as hvd
-        import torch
-
-        from ..kernels.quantize import pack_biased_lanes
-        shape = tuple(tensor.shape)
-        step = self._horovod_calls.get(shape, 0) + 1
-        self._horovod_calls[shape] = step
-        p = hvd.size()
-        flat = tensor.detach().to("cpu", torch.float32).numpy().reshape(-1)
-        local = torch.tensor([self.local_norm(flat)], dtype=torch.float64)
-        norm = float(hvd.allreduce(local, op=hvd.Max, name=f"hvdc.global_qsgd.norm.{shape}.{step}")[0])
-        if not math.isfinite(norm):
-            warnings.warn("global_qsgd: a gradient holds NaN or Inf on some rank; this tensor is "
-                          "sent uncompressed", RuntimeWarning, stacklevel=2)
-            return tensor, ("dense", p, 0, 0.0, tensor.dtype, shape)
-        s = linear_levels(8, p)
-        key = self.stream_key(f"horovod{shape}", step, hvd.rank(), "quantize")
-        q = linear_quantize(flat, 1.0 / norm if norm > 0 else 0.0, s, key)
-        words = torch.from_numpy(pack_biased_lanes(q, s)).to(tensor.device)
-        return words, ("levels", p, s, norm, tensor.dtype, shape)
-
-    def decompress(self, tensor: Any, ctx: Any) -> Any:
-        """Horovod ``Compressor.decompress``: summed lane words (or the dense sum) -> the average."""
-        kind, p, s, norm, dtype, shape = ctx
-        if kind == "dense":
-            return tensor / p
-        import torch
-
-        from ..kernels.quantize import unpack_biased_lanes
-        n = int(np.prod(shape)) if shape else 1
-        sums = unpack_biased_lanes(tensor.detach().cpu().numpy(), n, p * s)
-        avg = linear_dequantize(sums, norm / (s * p), np.float64).reshape(shape)
-        return torch.from_numpy(avg).to(device=tensor.device, dtype=dtype)

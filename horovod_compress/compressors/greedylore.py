@@ -94,7 +94,7 @@ from .lowrank_common import (
     effective_rank,
     top_indices,
 )
-from .params import check_choice, check_int
+from ..params import check_choice, check_int
 from .registry import register
 
 

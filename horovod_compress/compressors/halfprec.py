@@ -1,8 +1,9 @@
 """``fp16`` and ``bf16``: cast to 16 bits, allreduce in 16 bits, cast back.
 
 Each rank sends q_i = round16(x_i / P); ranks sum the 16-bit values with a
-custom MPI reduction operator (float32 add, then rounding back to 16 bits, as
-16-bit hardware arithmetic would); the result is widened to the gradient's
+custom reduction (float32 add, then rounding back to 16 bits, as 16-bit
+hardware arithmetic would): an MPI operator under mpi4py, alltoall + local
+reduce + allgather under torch.distributed (``Communicator.allreduce_custom``); the result is widened to the gradient's
 dtype. Conversions and the operator's inner loop are compiled kernels on the
 bit patterns (:mod:`horovod_compress.kernels.halfprec`), one pass each. Pre-dividing by P keeps the partial sums inside the 16-bit range, as
 Horovod's ``gradient_predivide_factor`` does. Volume: N elements * 2 bytes
@@ -14,23 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from ..kernels.halfprec import add16_into, decode16, encode16
+from ..kernels.halfprec import decode16, encode16
 from .base import Method, TensorState
 from .registry import register
-
-_OPS: dict[str, Any] = {}
-
-
-def _sum_op(kind: str) -> tuple[Any, Any]:
-    """(MPI datatype, MPI.Op) summing 16-bit floats stored as 2-byte words."""
-    if kind not in _OPS:
-        from mpi4py import MPI
-        dtype = MPI.BYTE.Create_contiguous(2).Commit()
-        def add(inbuf: Any, inoutbuf: Any, datatype: Any, kind: str = kind) -> None:
-            add16_into(np.frombuffer(inbuf, dtype=np.uint16), np.frombuffer(inoutbuf, dtype=np.uint16), kind)
-        _OPS[kind] = (dtype, MPI.Op.Create(add, commute=True))
-    return _OPS[kind]
-
 
 class _HalfPrecision(Method):
     kind = "fp16"
@@ -50,12 +37,7 @@ class _HalfPrecision(Method):
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
                 state: TensorState) -> tuple[np.ndarray, np.ndarray]:
         words = self.encode(x.reshape(-1), comm.size)
-        out = np.empty_like(words)
-        dtype, op = _sum_op(self.kind)
-        with comm.in_mpi("allreduce"):
-            comm.comm.Allreduce([words, words.size, dtype], [out, out.size, dtype], op=op)
-        vol = 2.0 * words.nbytes * (comm.size - 1) / comm.size
-        comm._account("allreduce", vol, vol)
+        out = comm.allreduce_custom(words, f"{self.kind}_sum")
         avg = self.decode(out).astype(x.dtype, copy=False).reshape(x.shape)
         local = self.decode(words, scale=comm.size).astype(x.dtype, copy=False).reshape(x.shape)
         return avg, local
@@ -64,14 +46,9 @@ class _HalfPrecision(Method):
         n = int(np.prod(shape))
         return 2.0 * n * 2 * (world_size - 1) / world_size
 
-    # Horovod's Compressor protocol (torch and TensorFlow tensors).
-    def compress(self, tensor: Any) -> tuple[Any, Any]:
-        from ..horovod_compat import compress_cast
-        return compress_cast(tensor, self.kind)
-
-    def decompress(self, tensor: Any, ctx: Any) -> Any:
-        from ..horovod_compat import decompress_cast
-        return decompress_cast(tensor, ctx)
+    # Horovod's Compressor protocol: Method.compress/decompress
+    # (horovod_compat): fp16 is a cast around Horovod's allreduce; bf16 runs
+    # our exchange (Horovod 0.28 has no bfloat16 allreduce).
 
 
 @register
@@ -88,3 +65,4 @@ class BF16(_HalfPrecision):
 
     name = "bf16"
     kind = "bf16"
+    horovod_compatible = False   # Horovod 0.28 has no bfloat16 allreduce: our exchange runs it

@@ -35,7 +35,7 @@ from .lowrank_common import (
     compressed_matrix,
     effective_rank,
 )
-from .params import check_int
+from ..params import check_int
 from .registry import register
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .params import check_float, check_int
+from ..params import check_float, check_int
 
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:

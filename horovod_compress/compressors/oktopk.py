@@ -49,7 +49,7 @@ import numpy as np
 
 from ..kernels.arrays import as_module_array, get_array_module
 from .base import Method, TensorState
-from .params import check_float, check_int
+from ..params import check_float, check_int
 from .registry import register
 from .sparse_common import check_density, k_from_density
 

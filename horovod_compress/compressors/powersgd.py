@@ -33,7 +33,9 @@ re-orthogonalized before use; ``start_powerSGD_iter`` dense steps come first
 ``orthogonalization_epsilon`` (default 0) mean the same as there. With
 ``q_init="torch"``, ``seed`` = ``random_seed`` and one tensor per DDP bucket,
 the outputs equal the hook's within float rounding (tests/test_powersgd.py).
-That mode uses torch only as a random number generator, imported on first use;
+That mode uses torch only as a random number generator, which the PyTorch
+front-end supplies: importing :mod:`horovod_compress.torch` registers it in
+:data:`Q_SOURCES` (this module, like the whole core, never imports torch);
 the default ``q_init="shared"`` draws ``Q`` from this package's shared seed
 (``Method.rng``) with NumPy alone.
 
@@ -43,7 +45,7 @@ the same averages (those errors sum to zero over ranks).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -59,8 +61,19 @@ from .lowrank_common import (
     orthogonalize,
     should_compress,
 )
-from .params import check_choice, check_float
+from ..params import check_choice, check_float
 from .registry import register
+
+
+#: ``q_init`` sources beyond ``"shared"``: name -> ``draw(seed, cols, r, dtype)``
+#: returning a (cols x r) standard-normal array. :mod:`horovod_compress.torch`
+#: registers ``"torch"`` (``torch.manual_seed(seed); torch.randn(1, cols, r)``).
+Q_SOURCES: dict[str, Callable[[int, int, int, np.dtype], np.ndarray]] = {}
+
+
+def register_q_source(name: str, draw: Callable[[int, int, int, np.dtype], np.ndarray]) -> None:
+    """Make ``draw(seed, cols, r, dtype)`` the generator behind ``q_init=name``."""
+    Q_SOURCES[name] = draw
 
 
 @register
@@ -103,13 +116,11 @@ class PowerSGD(Method):
         return self.rng(name, step, "powersgd-q").standard_normal((cols, r), dtype=dtype)
 
     def _torch_randn(self, cols: int, r: int, dtype: np.dtype) -> np.ndarray:
-        import torch
-        seed = int(self._torch_rng.randint(1_000_000_000))
-        tdtype = torch.float64 if dtype == np.float64 else torch.float32
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            q = torch.randn(1, cols, r, device="cpu", dtype=tdtype)
-        return q.numpy()[0].astype(dtype, copy=True)
+        draw = Q_SOURCES.get("torch")
+        if draw is None:
+            raise RuntimeError(f"{self.name}(q_init='torch') draws Q with PyTorch's generator; "
+                               "import horovod_compress.torch first (the core does not import torch)")
+        return draw(int(self._torch_rng.randint(1_000_000_000)), cols, r, dtype)
 
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
                 state: TensorState) -> tuple[np.ndarray, np.ndarray]:

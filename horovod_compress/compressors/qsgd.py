@@ -35,7 +35,7 @@ from ..kernels import dispatch
 from ..kernels.arrays import get_array_module
 from ..kernels.quantize import abs_max, sum_squares
 from .base import Method, TensorState
-from .params import check_choice, check_int
+from ..params import check_choice, check_int
 from .registry import register
 
 

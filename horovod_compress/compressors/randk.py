@@ -37,7 +37,6 @@ class RandK(Method):
     name = "randk"
     biased = True
     default_feedback = "residual"
-    horovod_compatible = True
     gpu_native = True
 
     def __init__(self, *, density: float = 0.01, unbiased: bool = False,
@@ -51,7 +50,6 @@ class RandK(Method):
             feedback = "none"
         super().__init__(feedback=feedback, warmup_steps=warmup_steps, seed=seed,
                          **feedback_params)
-        self._horovod_calls: dict[tuple, int] = {}
 
     def params(self) -> dict[str, Any]:
         return {"density": self.density, "unbiased": self.unbiased, **self.feedback.params()}
@@ -80,24 +78,3 @@ class RandK(Method):
     def expected_bytes(self, shape: tuple[int, ...], world_size: int, itemsize: int = 4) -> float:
         k = k_from_density(self.name, self.density, int(np.prod(shape)))
         return 2.0 * k * itemsize * (world_size - 1) / world_size
-
-    # Horovod's Compressor protocol: compress -> Horovod's dense allreduce -> decompress.
-    def compress(self, tensor: Any) -> tuple[Any, Any]:
-        """Select the shared indices of this tensor (seeded by its shape and call count).
-
-        Horovod passes no tensor name to ``compress``, so the shared seed is
-        derived from the shape and how many times a tensor of that shape was
-        compressed: identical on every rank as long as every rank compresses
-        the same tensors in the same order, which Horovod's optimizer does.
-        """
-        from ..horovod_compat import compress_select
-        key = tuple(tensor.shape)
-        step = self._horovod_calls.get(key, 0) + 1
-        self._horovod_calls[key] = step
-        n = int(np.prod(key)) if key else 1
-        idx = self.indices(f"horovod{key}", step, n)
-        return compress_select(tensor, idx, n / max(idx.size, 1) if self.unbiased else 1.0)
-
-    def decompress(self, tensor: Any, ctx: Any) -> Any:
-        from ..horovod_compat import decompress_select
-        return decompress_select(tensor, ctx)

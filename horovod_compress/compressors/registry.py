@@ -33,6 +33,7 @@ def available() -> list[str]:
 
 
 def method_class(name: str) -> type:
+    """The class registered under ``name`` (``UnknownMethodError`` otherwise)."""
     if name not in _METHODS:
         raise UnknownMethodError(f"unknown compression method {name!r}; available: {available()}")
     return _METHODS[name]
@@ -60,7 +61,8 @@ def create(name: str, *args: Any, **params: Any) -> Any:
         names = parameter_names(name)
         if len(args) > len(names):
             raise ValueError(f"{name}: takes at most {len(names)} positional arguments "
-                             f"({', '.join(names)}), got {len(args)}")
+                             f"({', '.join(names)}), got {len(args)}; pass parameters by name, "
+                             f"e.g. Compression.{name}({names[0] + '=...' if names else ''})")
         for key, value in zip(names, args):
             if key in params:
                 raise ValueError(f"{name}: parameter {key!r} given both by position and by "
@@ -85,19 +87,78 @@ def create(name: str, *args: Any, **params: Any) -> Any:
     return method
 
 
+class MethodFactory:
+    """``Compression.<name>``: call it to build the method; or pass it uncalled, as Horovod users do.
+
+    ``Compression.fp16(...)`` builds a method (positionals as in :func:`create`).
+    Horovod scripts write ``compression=hvd.Compression.fp16`` without calling
+    it: our front-ends accept the factory itself (:func:`as_method` builds the
+    method with its paper's defaults), and so does Horovod's own optimizer,
+    because the factory also answers ``compress``/``decompress`` with one
+    default instance of the method it holds.
+    """
+
+    def __init__(self, name: str) -> None:
+        self.__name__ = self.name = name
+        self.__doc__ = _METHODS[name].__doc__
+        self._default: Any = None
+
+    def __call__(self, *args: Any, **params: Any) -> Any:
+        return create(self.name, *args, **params)
+
+    def default(self) -> Any:
+        """The method with default parameters, built once per factory object."""
+        if self._default is None:
+            self._default = create(self.name)
+        return self._default
+
+    def compress(self, tensor: Any) -> tuple[Any, Any]:
+        """Horovod ``Compressor.compress`` with the default instance."""
+        return self.default().compress(tensor)
+
+    def decompress(self, tensor: Any, ctx: Any) -> Any:
+        """Horovod ``Compressor.decompress`` with the default instance."""
+        return self.default().decompress(tensor, ctx)
+
+    def __repr__(self) -> str:
+        return f"Compression.{self.name}"
+
+
+_HOROVOD_COMPRESSORS = {"NoneCompressor": "none", "FP16Compressor": "fp16",
+                        "BF16Compressor": "bf16"}
+
+
+def as_method(obj: Any, default: str = "none") -> Any:
+    """A method object from what a front-end's ``compression=`` received.
+
+    Accepts a method (returned as is), ``None`` (``default``), an uncalled
+    ``Compression.<name>`` factory (a new method with its defaults), and Horovod's
+    own ``hvd.Compression.none/fp16/bf16`` compressor classes (mapped to ours).
+    Anything else is a ``ValueError`` saying what is expected.
+    """
+    from .base import Method
+    if obj is None:
+        return create(default)
+    if isinstance(obj, Method):
+        return obj
+    if isinstance(obj, MethodFactory):
+        return obj()
+    cls_name = getattr(obj, "__name__", type(obj).__name__)
+    module = getattr(obj, "__module__", "") or ""
+    if module.startswith("horovod.") and cls_name in _HOROVOD_COMPRESSORS:
+        return create(_HOROVOD_COMPRESSORS[cls_name])
+    raise ValueError("compression must be hvdc.Compression.<method>(...) (or the uncalled "
+                     "Compression.<method>, or Horovod's Compression.none/fp16/bf16), "
+                     f"got {obj!r}")
+
+
 class _CompressionMeta(type):
     def __getattr__(cls, item: str) -> Any:
         if item.startswith("_"):
             raise AttributeError(item)
         if item not in _METHODS:
             raise UnknownMethodError(f"unknown compression method {item!r}; available: {available()}")
-
-        def factory(*args: Any, **params: Any) -> Any:
-            return create(item, *args, **params)
-
-        factory.__name__ = item
-        factory.__doc__ = _METHODS[item].__doc__
-        return factory
+        return MethodFactory(item)
 
     def __dir__(cls) -> list[str]:
         return sorted(set(super().__dir__()) | set(_METHODS))
@@ -117,4 +178,5 @@ class Compression(metaclass=_CompressionMeta):
 
     @staticmethod
     def available() -> list[str]:
+        """Registered method names."""
         return available()

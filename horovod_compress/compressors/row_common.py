@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from .params import check_float
+from ..params import check_float
 
 
 def check_ratio(method: str, ratio: float) -> float:

@@ -11,8 +11,9 @@ from typing import Any
 import numpy as np
 
 from ..kernels.arrays import get_array_module
+from ..kernels.scatter import scatter_sum  # noqa: F401  (re-exported: the methods' COO sum)
 from .base import Method
-from .params import check_float
+from ..params import check_float
 
 
 def k_from_density(method: str, density: float, n: int) -> int:
@@ -97,37 +98,6 @@ def unpack_coo(buf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Inverse of :func:`pack_coo`."""
     k = buf.size // 2
     return get_array_module(buf).ascontiguousarray(buf[:k]).view(np.int32), buf[k:]
-
-
-def scatter_sum(n: int, indices: np.ndarray, values: np.ndarray, dtype: np.dtype,
-                scale: float = 1.0) -> np.ndarray:
-    """Dense length-n vector ``scale * sum`` of ``values`` at ``indices`` (duplicates add).
-
-    NumPy: a compiled scatter-add in ``dtype`` into fresh zeros
-    (:func:`~horovod_compress.kernels.scatter.scatter_add`); ``scale`` is
-    applied per value when it is a power of two's reciprocal (exact, so equal
-    to scaling the sum) and to the sum otherwise. float64 ``values`` for a
-    narrower ``dtype`` (a caller asking for a float64 sum, e.g. DeepReduce)
-    and CuPy arrays: ``bincount`` in float64, then the cast and the scale.
-    """
-    xp = get_array_module(values)
-    if xp is np and not (values.dtype == np.float64 and np.dtype(dtype) != np.float64):
-        from ..kernels.scatter import scatter_add
-        out = np.zeros(n, dtype=dtype)
-        exact = scale == 1.0 or (1.0 / scale).is_integer() and _pow2(int(1.0 / scale))
-        scatter_add(out, indices, values, scale if exact else 1.0)
-        if not exact:
-            out *= out.dtype.type(scale)
-        return out
-    if indices.size == 0:
-        out = xp.zeros(n, dtype=dtype)
-    else:
-        out = xp.bincount(indices, weights=values, minlength=n).astype(dtype, copy=False)
-    return out if scale == 1.0 else out * out.dtype.type(scale)
-
-
-def _pow2(p: int) -> bool:
-    return p > 0 and (p & (p - 1)) == 0
 
 
 class DensitySparsifier(Method):

@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from ..compressors.params import check_float
+from ..params import check_float
 from ..kernels.arrays import get_array_module
 from .base import Feedback, register_feedback
 

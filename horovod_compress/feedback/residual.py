@@ -36,6 +36,11 @@ class ResidualFeedback(Feedback):
         e = state.get("fb_residual")
         acc = x + e if e is not None and e.shape == x.shape else x.copy()
         avg, local = method._reduce(acc, name, comm, state)
-        xp.subtract(acc, local, out=acc)
+        support = method.local_support(name, local) if acc.flags.c_contiguous else None
+        if support is None:
+            xp.subtract(acc, local, out=acc)
+        else:                      # local is zero outside its support: O(k), same values
+            flat, lflat = acc.reshape(-1), local.reshape(-1)
+            flat[support] -= lflat[support]
         state["fb_residual"] = acc
         return avg

@@ -25,6 +25,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .arrays import get_array_module
+
 
 @njit(cache=True)
 def _topk_coo(x, thr, k, out_idx, out_val):
@@ -272,6 +274,20 @@ class SparseScratch:
         self.count = count
         return self.buf
 
+    def support_of(self, array: np.ndarray) -> np.ndarray | None:
+        """The indices written by the last :meth:`fill` if ``array`` is its buffer (any C-order shape).
+
+        Outside them the buffer is zero, so ``acc - array`` changes ``acc``
+        only there: error feedback subtracts in O(k) instead of O(n).
+        ``None`` when ``array`` is not this buffer.
+        """
+        buf = self.buf
+        if (buf is None or not isinstance(array, np.ndarray) or array.size != buf.size
+                or not array.flags.c_contiguous
+                or array.__array_interface__["data"][0] != buf.__array_interface__["data"][0]):
+            return None
+        return self.idx
+
 
 class RowScratch:
     """A reused m x n matrix that is zero except in the rows last written (row-sparse ``local``).
@@ -309,5 +325,31 @@ def is_power_of_two(p: int) -> bool:
     return p > 0 and (p & (p - 1)) == 0
 
 
+def scatter_sum(n: int, indices: np.ndarray, values: np.ndarray, dtype: np.dtype,
+                scale: float = 1.0) -> np.ndarray:
+    """Dense length-n vector ``scale * sum`` of ``values`` at ``indices`` (duplicates add).
+
+    NumPy: a compiled scatter-add in ``dtype`` into fresh zeros
+    (:func:`scatter_add`); ``scale`` is
+    applied per value when it is a power of two's reciprocal (exact, so equal
+    to scaling the sum) and to the sum otherwise. float64 ``values`` for a
+    narrower ``dtype`` (a caller asking for a float64 sum, e.g. DeepReduce)
+    and CuPy arrays: ``bincount`` in float64, then the cast and the scale.
+    """
+    xp = get_array_module(values)
+    if xp is np and not (values.dtype == np.float64 and np.dtype(dtype) != np.float64):
+        out = np.zeros(n, dtype=dtype)
+        exact = scale == 1.0 or (1.0 / scale).is_integer() and is_power_of_two(int(1.0 / scale))
+        scatter_add(out, indices, values, scale if exact else 1.0)
+        if not exact:
+            out *= out.dtype.type(scale)
+        return out
+    if indices.size == 0:
+        out = xp.zeros(n, dtype=dtype)
+    else:
+        out = xp.bincount(indices, weights=values, minlength=n).astype(dtype, copy=False)
+    return out if scale == 1.0 else out * out.dtype.type(scale)
+
+
 __all__ = ["RowScratch", "SparseScratch", "row_local", "is_power_of_two", "scatter_add", "scatter_add_rows", "scatter_clear",
-           "scatter_set", "topk_coo", "topk_coo_float32"]
+           "scatter_set", "scatter_sum", "topk_coo", "topk_coo_float32"]

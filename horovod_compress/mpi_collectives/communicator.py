@@ -44,6 +44,7 @@ class OpStats:
     received: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
+        """``{"calls", "sent", "received"}`` as a plain dict."""
         return {"calls": self.calls, "sent": self.sent, "received": self.received}
 
 
@@ -85,6 +86,7 @@ class Request:
         self._done = False
 
     def wait(self) -> Any:
+        """Block until the operation completed; return its result."""
         if not self._done:
             with _timed(self._comm, self._op):
                 self._req.Wait()
@@ -94,6 +96,7 @@ class Request:
         return self._result
 
     def test(self) -> bool:
+        """Whether the operation completed (finishes it if so), without blocking."""
         if not self._done and self._req.Test():
             self._done = True
             if self._on_complete is not None:
@@ -102,6 +105,7 @@ class Request:
 
     @staticmethod
     def wait_all(requests: Sequence["Request"]) -> list[Any]:
+        """Wait for every request (one MPI Waitall); return their results in order."""
         pending = [r for r in requests if not r._done]
         with _timed(pending[0]._comm if pending else None, pending[0]._op if pending else "wait"):
             MPI.Request.Waitall([r._req for r in pending])
@@ -384,6 +388,7 @@ class Communicator:
         return [pickle.loads(p) for p in parts]
 
     def barrier(self) -> None:
+        """Block until every rank has entered the barrier."""
         with self.in_mpi("barrier"):
             self.comm.Barrier()
 
@@ -454,6 +459,72 @@ class Communicator:
         out = self.recv(source, tag, dtype=dtype if dtype is not None else array.dtype)
         req.wait()
         return out
+
+    # ------------------------------------------- backend-neutral entry points
+    # The core calls these instead of raw ``comm.comm.*`` so that every backend
+    # (this one, ``torch_dist.TorchCommunicator``) runs it.
+    def alltoall(self, array: np.ndarray) -> np.ndarray:
+        """Equal-block alltoall: row j of ``array`` (shape ``(P, ...)``) goes to rank j.
+
+        Returns the rows received, row j from rank j. Counts each row exactly
+        (``(P-1) * row bytes`` each way; op ``alltoall``).
+        """
+        send = _contiguous(array)
+        if send.shape[0] != self.size:
+            raise ValueError(f"alltoall needs {self.size} rows, got {send.shape[0]}")
+        recv = np.empty_like(send)
+        with self.in_mpi("alltoall"):
+            self.comm.Alltoall(send, recv)
+        vol = float(send.nbytes // max(self.size, 1) * (self.size - 1))
+        self._account("alltoall", vol, vol)
+        return recv
+
+    def allgatherv_into(self, send: np.ndarray, byte_counts: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Allgatherv of raw bytes whose per-rank ``byte_counts`` every rank already knows.
+
+        ``send`` (uint8, ``byte_counts[rank]`` long) lands in ``out`` (uint8,
+        ``sum(byte_counts)`` long) in rank order; no count exchange. Counted with
+        the ring model of :meth:`allgatherv` (op ``allgatherv``).
+        """
+        counts = np.asarray(byte_counts, dtype=np.int64)
+        displs = np.zeros(self.size, dtype=np.int64)
+        np.cumsum(counts[:-1], out=displs[1:])
+        with self.in_mpi("allgatherv"):
+            self.comm.Allgatherv(send, [out, counts, displs, MPI.BYTE])
+        total = float(counts.sum())
+        received = total - float(counts[self.rank])
+        sent = total - float(counts[(self.rank + 1) % self.size])
+        self._account("allgatherv", sent, received)
+        return out
+
+    def allreduce_custom(self, buf: np.ndarray, op: str) -> np.ndarray:
+        """Allreduce of a byte/word buffer with a reduction MPI lacks (``reduce_ops.CUSTOM_REDUCTIONS``).
+
+        ``op``: ``fp16_sum``/``bf16_sum`` (16-bit words), ``nibble`` (packed
+        4-bit lanes), ``exp8``/``exp4`` (Global-QSGD's stochastic exponential
+        reduce; each element reduced on one rank only, see
+        :func:`~.reduce_ops.allreduce_reduce_once`). Counted as one allreduce
+        of ``buf.nbytes`` (2N(P-1)/P each way). Returns a new array of ``buf``'s dtype.
+        """
+        from .reduce_ops import allreduce_reduce_once, check_custom, mpi_custom_op
+        _fn, item, once = check_custom(op)
+        send = _contiguous(buf).reshape(-1)
+        if once:
+            return allreduce_reduce_once(self, send, mpi_custom_op(op)[1])
+        words = send.view(np.uint8).size // item
+        out = np.empty_like(send)
+        dtype, mpi_op = mpi_custom_op(op)
+        with self.in_mpi("allreduce"):
+            self.comm.Allreduce([send, words, dtype], [out, words, dtype], op=mpi_op)
+        vol = self._allreduce_volume(send.nbytes)
+        self._account("allreduce", vol, vol)
+        return out
+
+    def self_communicator(self) -> "Communicator":
+        """A one-rank communicator (``MPI.COMM_SELF``) for work local to this rank."""
+        return Communicator(MPI.COMM_SELF)
+
+    backend = "mpi"
 
     def __repr__(self) -> str:
         return f"Communicator(rank={self.rank}, size={self.size})"

@@ -6,17 +6,17 @@ paper's Table 1 (k values plus k indices). An array of entries is sent as its
 raw bytes (``uint8``), so one message carries both halves, a slice of it is a
 valid message, and receivers view the bytes back as entries.
 
-Also here: the two count exchanges the sparse collectives need, written on raw
-mpi4py with their bytes accounted on the :class:`Communicator` like its own
-collectives (an alltoall of one int64 per peer; an allgatherv whose counts are
-already known, so they are not exchanged twice).
+Also here: the two count exchanges the sparse collectives need, through the
+communicator's backend-neutral ``alltoall`` and ``allgatherv_into`` (mpi4py or
+torch.distributed) with their bytes accounted like its own collectives (an
+alltoall of one int64 per peer; an allgatherv whose counts are already known,
+so they are not exchanged twice).
 """
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
-from mpi4py import MPI
 
 MAX_INDEX = np.iinfo(np.int32).max
 
@@ -65,12 +65,7 @@ def exchange_counts(comm: Any, send_counts: np.ndarray) -> np.ndarray:
     send = np.ascontiguousarray(send_counts, dtype=np.int64)
     if send.size != comm.size:
         raise ValueError(f"need {comm.size} counts, got {send.size}")
-    recv = np.empty_like(send)
-    with comm.in_mpi("alltoall"):
-        comm.comm.Alltoall(send, recv)
-    vol = 8.0 * (comm.size - 1)
-    comm._account("alltoall", vol, vol)
-    return recv
+    return comm.alltoall(send)
 
 
 def gather_counts(comm: Any, count: int) -> np.ndarray:
@@ -96,15 +91,8 @@ def allgatherv_entries(comm: Any, entries: np.ndarray, counts: np.ndarray) -> np
         out[:] = entries
         return out
     byte_counts = counts * item
-    displs = np.zeros(comm.size, dtype=np.int64)
-    np.cumsum(byte_counts[:-1], out=displs[1:])
     send = as_bytes(entries) if entries.size else np.empty(0, np.uint8)
-    with comm.in_mpi("allgatherv"):
-        comm.comm.Allgatherv(send, [out.view(np.uint8), byte_counts, displs, MPI.BYTE])
-    total = float(byte_counts.sum())
-    received = total - float(byte_counts[comm.rank])
-    sent = total - float(byte_counts[(comm.rank + 1) % comm.size])
-    comm._account("allgatherv", sent, received)
+    comm.allgatherv_into(send, byte_counts, out.view(np.uint8))
     return out
 
 

@@ -93,7 +93,6 @@ import numpy as np
 from ..kernels import dispatch
 from ..kernels.arrays import get_array_module, to_host
 from ..kernels.selection import coo_sum, kth_largest_abs, select_by_threshold
-from .communicator import Request
 from .coo_messages import (
     allgatherv_entries,
     as_bytes,
@@ -202,9 +201,15 @@ def split_and_reduce(comm: Any, indices: np.ndarray, values: np.ndarray,
         # overlap: reduce the previous bucket while this one is on the wire
         acc_idx, acc_val = reduce_into(acc_idx, acc_val, in_flight)
         in_flight = [comm.recv(src, TAG_SPLIT, dtype=np.uint8) for _, src in bucket]
-        Request.wait_all(sends)
+        wait_all(sends)
     acc_idx, acc_val = reduce_into(acc_idx, acc_val, in_flight)
     return acc_idx, acc_val.astype(values.dtype)
+
+
+def wait_all(requests: list[Any]) -> None:
+    """Wait for point-to-point requests of any communicator backend (its ``Request.wait_all``)."""
+    if requests:
+        type(requests[0]).wait_all(requests)
 
 
 # ------------------------------------------------- balance and allgatherv
@@ -232,7 +237,7 @@ def balance(comm: Any, entries: np.ndarray, counts: np.ndarray) -> tuple[np.ndar
     shares = balanced_shares(int(counts.sum()), p)
     src_off, dst_off = _offsets(counts), _offsets(shares)
     out = np.empty(int(shares[r]), dtype=entries.dtype)
-    requests: list[Request] = []
+    requests: list[Any] = []
     # receive the parts of my target slice [dst_off[r], dst_off[r+1]) held by others
     for i in range(p):
         lo, hi = max(src_off[i], dst_off[r]), min(src_off[i + 1], dst_off[r + 1])
@@ -247,7 +252,7 @@ def balance(comm: Any, entries: np.ndarray, counts: np.ndarray) -> tuple[np.ndar
         lo, hi = max(src_off[r], dst_off[j]), min(src_off[r + 1], dst_off[j + 1])
         if hi > lo and j != r:
             requests.append(comm.isend(as_bytes(entries[lo - src_off[r]:hi - src_off[r]]), j, TAG_BALANCE))
-    Request.wait_all(requests)
+    wait_all(requests)
     return out, shares
 
 

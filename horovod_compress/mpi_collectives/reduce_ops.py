@@ -29,7 +29,6 @@ import threading
 from typing import Any, Iterator
 
 import numpy as np
-from mpi4py import MPI
 
 from ..kernels.exp_reduce import exp_reduce4_into, exp_reduce8_into
 from ..kernels.quantize import nibble_add_into
@@ -48,7 +47,7 @@ class _Stream:
 
 _STREAM = _Stream()
 _STREAM_LOCK = threading.RLock()
-_OPS: dict[str, MPI.Op] = {}
+_OPS: dict[str, Any] = {}   # MPI.Op objects (mpi4py imported on first use)
 
 
 @contextlib.contextmanager
@@ -127,6 +126,7 @@ def exp_sum_op(bits: int) -> MPI.Op:
     """
     if bits not in (8, 4):
         raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    from mpi4py import MPI
     name = f"exp{bits}"
     if name not in _OPS:
         _OPS[name] = MPI.Op.Create(_exp8 if bits == 8 else _exp4, commute=True)
@@ -135,6 +135,7 @@ def exp_sum_op(bits: int) -> MPI.Op:
 
 def nibble_sum_op() -> MPI.Op:
     """Lane-wise sum of signed 4-bit integers packed two per byte (``MPI.UINT8_T``)."""
+    from mpi4py import MPI
     if "nibble" not in _OPS:
         _OPS["nibble"] = MPI.Op.Create(_nibble_sum, commute=True)
     return _OPS["nibble"]
@@ -155,6 +156,7 @@ def allreduce_reduce_once(comm: Any, buf: np.ndarray, op: MPI.Op) -> np.ndarray:
     (2N(P-1)/P each way), what a ring allreduce moves. Returns a new array
     identical on every rank.
     """
+    from mpi4py import MPI
     send = np.ascontiguousarray(buf, dtype=np.uint8).reshape(-1)
     p, rank = comm.size, comm.rank
     if p == 1:
@@ -171,3 +173,53 @@ def allreduce_reduce_once(comm: Any, buf: np.ndarray, op: MPI.Op) -> np.ndarray:
     vol = 2.0 * send.nbytes * (p - 1) / p
     comm._account("allreduce", vol, vol)
     return out
+
+
+# ---------------------------------------------------------------------------
+# The same reductions without MPI: ``local_reduce(name, a, inout)`` folds the
+# bytes of ``a`` into ``inout`` with the kernel the MPI operator runs. Backends
+# without user-defined operators (torch.distributed) reduce with it after an
+# alltoall (``Communicator.allreduce_custom``).
+
+def _add16(kind: str) -> Any:
+    def add(inbuf: Any, inoutbuf: Any, datatype: Any = None) -> None:
+        from ..kernels.halfprec import add16_into
+        add16_into(np.frombuffer(inbuf, dtype=np.uint16), np.frombuffer(inoutbuf, dtype=np.uint16),
+                   kind)
+    return add
+
+
+#: name -> (inner loop ``f(inbuf, inoutbuf, datatype)``, bytes per element, reduce on one rank only)
+CUSTOM_REDUCTIONS: dict[str, tuple[Any, int, bool]] = {
+    "exp8": (_exp8, 1, True),
+    "exp4": (_exp4, 1, True),
+    "nibble": (_nibble_sum, 1, False),
+    "fp16_sum": (_add16("fp16"), 2, False),
+    "bf16_sum": (_add16("bf16"), 2, False),
+}
+
+
+def check_custom(name: str) -> tuple[Any, int, bool]:
+    """The :data:`CUSTOM_REDUCTIONS` entry of ``name`` (``ValueError`` naming the choices otherwise)."""
+    try:
+        return CUSTOM_REDUCTIONS[name]
+    except KeyError:
+        raise ValueError(f"custom reduction must be one of {sorted(CUSTOM_REDUCTIONS)}, "
+                         f"got {name!r}") from None
+
+
+def local_reduce(name: str, a: np.ndarray, inout: np.ndarray) -> None:
+    """``inout <- a (op) inout`` with the inner loop of reduction ``name`` (contiguous buffers)."""
+    fn, _item, _once = check_custom(name)
+    fn(a, inout, None)
+
+
+def mpi_custom_op(name: str) -> tuple[Any, Any]:
+    """``(MPI datatype, MPI.Op)`` of reduction ``name`` for ``Allreduce`` (created once)."""
+    from mpi4py import MPI
+    fn, item, _once = check_custom(name)
+    key = f"custom:{name}"
+    if key not in _OPS:
+        dtype = MPI.UINT8_T if item == 1 else MPI.BYTE.Create_contiguous(item).Commit()
+        _OPS[key] = (dtype, MPI.Op.Create(fn, commute=True))
+    return _OPS[key]

@@ -44,10 +44,10 @@ def _dense_sum(n: int, indices: np.ndarray, values: np.ndarray, dtype: np.dtype,
                scale: float = 1.0) -> np.ndarray:
     """``scale * sum`` of a COO list as a dense length-n vector in ``dtype``.
 
-    A compiled scatter-add in ``dtype`` (:func:`compressors.sparse_common.scatter_sum`:
+    A compiled scatter-add in ``dtype`` (:func:`~horovod_compress.kernels.scatter.scatter_sum`:
     no float64 ``bincount`` temporary; ``scale`` exact per value for 1/2^m).
     """
-    from ..compressors.sparse_common import scatter_sum
+    from ..kernels.scatter import scatter_sum
     return scatter_sum(n, indices, np.asarray(values, dtype=dtype), dtype, scale=scale)
 
 

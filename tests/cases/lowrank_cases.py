@@ -101,6 +101,8 @@ TORCH_CONFIGS = [
 def case_powersgd_matches_torch(comm):
     """Same inputs through torch's powerSGD_hook (gloo) and our PowerSGD (mpi4py)."""
     import torch
+
+    import horovod_compress.torch  # noqa: F401  (registers q_init="torch")
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
     torch.set_num_threads(1)
     dist = _init_torch_dist(comm)
@@ -480,6 +482,7 @@ def case_checkpoint(comm, kinds=("greedylore", "powersgd", "lazy_projection")):
 
 def case_checkpoint_torch_rng(comm):
     """The torch-compatible Q stream (a RandomState shared by all tensors) survives a checkpoint."""
+    import horovod_compress.torch  # noqa: F401  (registers q_init="torch")
     return case_checkpoint(comm, kinds=("powersgd_torch",))
 
 

@@ -1,7 +1,8 @@
 """Argument checks shared by every method's constructor.
 
 Each check raises ``ValueError`` naming the argument and the allowed range, so
-bad configuration fails before any communication starts (DESIGN.md).
+bad configuration fails before any communication starts. Used by the methods,
+the codecs and the feedback schemes alike, so it sits below all of them.
 """
 from __future__ import annotations
 

@@ -1,0 +1,158 @@
+"""Byte and time accounting shared by the communicator backends that do not need mpi4py.
+
+:class:`Accounting` holds the counters and their public API (``bytes_sent``,
+``bytes_received``, ``stats()``, ``reset_stats()``, ``timings()``,
+``in_mpi(op)``, ``phase(label)``, ``_account(op, sent, received)``) with the
+same semantics as :class:`~horovod_compress.mpi_collectives.Communicator`
+(mpi4py), so a method's byte counts compare across backends. The volume model
+is that of the Ok-Topk paper (Renggli et al. / Li and Hoefler, "Near-Optimal
+Sparse Allreduce for Distributed Deep Learning", PPoPP 2022, Table 1):
+point-to-point and alltoall(v) exact, allreduce of N bytes 2N(P-1)/P each way,
+allgather(v) the other ranks' parts (ring), broadcast N.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+
+@dataclass
+class OpStats:
+    """Calls and bytes of one kind of operation (or one phase) on this rank."""
+
+    calls: int = 0
+    sent: float = 0.0
+    received: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        """``{"calls", "sent", "received"}`` as a plain dict."""
+        return {"calls": self.calls, "sent": self.sent, "received": self.received}
+
+
+@dataclass
+class _Stats:
+    sent: float = 0.0
+    received: float = 0.0
+    by_op: dict[str, OpStats] = field(default_factory=dict)
+    by_phase: dict[str, OpStats] = field(default_factory=dict)
+
+
+class Accounting:
+    """Counters of bytes (volume model) and of seconds spent inside collectives."""
+
+    rank: int
+    size: int
+
+    def _init_accounting(self) -> None:
+        self._stats = _Stats()
+        self._phase: str | None = None
+        self._lock = threading.Lock()
+        self._seconds: dict[str, float] = {}
+        self._cpu_seconds = 0.0
+        self._timing_depth = threading.local()
+
+    @property
+    def bytes_sent(self) -> float:
+        """Cumulative bytes this rank sent under the volume model."""
+        return self._stats.sent
+
+    @property
+    def bytes_received(self) -> float:
+        """Cumulative bytes this rank received under the volume model."""
+        return self._stats.received
+
+    def stats(self) -> dict[str, Any]:
+        """Totals plus per-operation and per-phase breakdowns (plain dicts)."""
+        with self._lock:
+            return {
+                "sent": self._stats.sent,
+                "received": self._stats.received,
+                "by_op": {k: v.as_dict() for k, v in self._stats.by_op.items()},
+                "by_phase": {k: v.as_dict() for k, v in self._stats.by_phase.items()},
+            }
+
+    def reset_stats(self) -> None:
+        """Zero every counter (bytes and seconds)."""
+        with self._lock:
+            self._stats = _Stats()
+            self._seconds = {}
+            self._cpu_seconds = 0.0
+
+    def timings(self) -> dict[str, Any]:
+        """Seconds inside collectives: ``{"total": s, "by_op": {op: s}, "cpu_total": s}`` (wall, CPU)."""
+        with self._lock:
+            return {"total": sum(self._seconds.values()), "by_op": dict(self._seconds),
+                    "cpu_total": self._cpu_seconds}
+
+    @contextlib.contextmanager
+    def in_mpi(self, op: str) -> Iterator[None]:
+        """Time the enclosed collective call(s) under ``op`` (nested uses count once).
+
+        Named as on the mpi4py communicator so the core calls one method on
+        either backend.
+        """
+        depth = getattr(self._timing_depth, "value", 0)
+        self._timing_depth.value = depth + 1
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            yield
+        finally:
+            self._timing_depth.value = depth
+            if depth == 0:
+                dt, dc = time.perf_counter() - t0, time.thread_time() - c0
+                with self._lock:
+                    self._seconds[op] = self._seconds.get(op, 0.0) + dt
+                    self._cpu_seconds += dc
+
+    @contextlib.contextmanager
+    def phase(self, label: str) -> Iterator[None]:
+        """Attribute the bytes of the enclosed calls to ``label`` as well."""
+        previous, self._phase = self._phase, label
+        try:
+            yield
+        finally:
+            self._phase = previous
+
+    @contextlib.contextmanager
+    def unaccounted(self) -> Iterator[None]:
+        """Count nothing inside (a caller that accounts the calls itself, e.g. ``lockstep``)."""
+        self._suspended = getattr(self, "_suspended", 0) + 1
+        try:
+            yield
+        finally:
+            self._suspended -= 1
+
+    def _account_as(self, phase: str | None, op: str, sent: float, received: float) -> None:
+        """:meth:`_account` under ``phase`` instead of the current one."""
+        with self._lock:
+            previous, self._phase = self._phase, phase
+        try:
+            self._account(op, sent, received)
+        finally:
+            self._phase = previous
+
+    def _account(self, op: str, sent: float, received: float) -> None:
+        if getattr(self, "_suspended", 0):
+            return
+        with self._lock:
+            self._stats.sent += sent
+            self._stats.received += received
+            entry = self._stats.by_op.setdefault(op, OpStats())
+            entry.calls += 1
+            entry.sent += sent
+            entry.received += received
+            if self._phase is not None:
+                ph = self._stats.by_phase.setdefault(self._phase, OpStats())
+                ph.calls += 1
+                ph.sent += sent
+                ph.received += received
+
+    def _allreduce_volume(self, nbytes: int) -> float:
+        p = self.size
+        return 2.0 * nbytes * (p - 1) / p
+
+
+__all__ = ["Accounting", "OpStats"]
