@@ -30,7 +30,7 @@ def test_case(results, case):
 @pytest.mark.mpi
 def test_argument_errors_name_the_argument(results):
     messages = results["case_allreduce_and_errors"][0]
-    for word in ("compression", "op", "gradient_predivide_factor", "sparse_as_dense", "gradtape",
+    for word in ("compression", "op", "gradient_predivide_factor", "gradtape",
                  "int32", "jit_compile=False"):
         assert any(word in m for m in messages), (word, messages)
 
@@ -41,7 +41,8 @@ def test_horovod_tape_accepts_our_compressors(results):
     per_rank = results["case_horovod_tape"]
     if "skipped" in per_rank[0]:
         pytest.skip(per_rank[0]["skipped"])
-    assert {"fp16/eager", "fp16/graph", "randk/eager"} <= set(per_rank[0]["checked"])
+    assert {"fp16/eager", "fp16/graph", "bf16/eager", "bf16/graph", "randk/eager",
+            "randk/graph"} <= set(per_rank[0]["checked"])
     assert per_rank[0] == per_rank[1]
 
 

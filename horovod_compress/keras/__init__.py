@@ -1,10 +1,12 @@
-"""Keras 3 front-end: ``import horovod_compress.keras as hvdc_keras``.
+"""Keras 3 front-end: ``import horovod_compress.keras as hvd`` in place of ``horovod.tensorflow.keras``.
 
-Mirrors ``horovod.keras`` (whose own layer does not work on Keras 3, see
-docs/tensorflow.md): ``init``, ``rank``, ``size``, ``DistributedOptimizer``
-and the callbacks ``BroadcastGlobalVariablesCallback``,
-``MetricAverageCallback``, ``CompressionWarmupCallback``,
-``CompressionStatsCallback``. Runs on the TensorFlow backend
+Every public name of ``horovod.tensorflow.keras`` 0.28 is here with
+Horovod's parameters (:mod:`.horovod_api`, ``hvd.callbacks``,
+``hvd.elastic``; the table is in docs/horovod.md) -- Horovod's own Keras layer
+does not run on Keras 3 (see docs/tensorflow.md). Ours add:
+``CompressionWarmupCallback``, ``CompressionStatsCallback``,
+``CompressionState``, ``reducer_of``, ``broadcast_variables``,
+``broadcast_object``, ``communicator``. Runs on the TensorFlow backend
 (``KERAS_BACKEND=tensorflow``, Keras's default).
 """
 import keras as _keras
@@ -14,9 +16,9 @@ if _keras.backend.backend() != "tensorflow":
                       f"(KERAS_BACKEND=tensorflow); this process uses {_keras.backend.backend()!r}")
 
 from ..compressors import Compression
-from ..tensorflow.broadcast import broadcast_object, broadcast_variables
-from ..tensorflow.reducer import Average, Sum
-from ..tensorflow.world import communicator, init, local_rank, rank, size
+from ..tensorflow.horovod_api import broadcast_object, broadcast_variables
+from ..tensorflow.world import communicator
+from . import callbacks, elastic
 from .callbacks import (
     BroadcastGlobalVariablesCallback,
     CompressionStatsCallback,
@@ -24,9 +26,43 @@ from .callbacks import (
     MetricAverageCallback,
 )
 from .checkpoint import CompressionState
-from .optimizer import DistributedOptimizer, reducer_of
+from .horovod_api import (
+    Average,
+    DistributedOptimizer,
+    ProcessSet,
+    Sum,
+    add_process_set,
+    allgather,
+    allreduce,
+    broadcast,
+    broadcast_global_variables,
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_initialized,
+    is_version_greater_equal_than,
+    load_model,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    reducescatter,
+    remove_process_set,
+    rocm_built,
+    shutdown,
+    size,
+    start_timeline,
+    stop_timeline,
+)
+from .optimizer import reducer_of
 
-__all__ = ["Average", "BroadcastGlobalVariablesCallback", "Compression", "CompressionState",
-           "CompressionStatsCallback", "CompressionWarmupCallback", "DistributedOptimizer",
-           "MetricAverageCallback", "Sum", "broadcast_object", "broadcast_variables",
-           "communicator", "init", "local_rank", "rank", "reducer_of", "size"]
+__all__ = [n for n in dir() if not n.startswith("_") and n != "horovod_api"]

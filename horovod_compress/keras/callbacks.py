@@ -20,6 +20,7 @@ from typing import Any
 import keras
 import numpy as np
 
+from ..horovod_basics import is_version_greater_equal_than  # noqa: F401 - Horovod's name here
 from ..tensorflow import world
 from ..tensorflow.broadcast import broadcast_variables
 from .optimizer import reducer_of
@@ -57,10 +58,13 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     after the first batch instead, as Horovod's callback does.
     """
 
-    def __init__(self, root_rank: int = 0, comm: Any = None) -> None:
+    def __init__(self, root_rank: int = 0, device: str = "", local_variables: Any = None,
+                 comm: Any = None) -> None:
         super().__init__()
         self.root_rank = int(root_rank)
         self.comm = comm
+        self.device = device
+        self._local = {id(v) for v in (local_variables or [])}
         self.broadcast_done = False
 
     def _broadcast(self) -> None:
@@ -69,9 +73,11 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         opt = model.optimizer
         if opt is not None and not opt.built and model.trainable_variables:
             opt.build(model.trainable_variables)
-        broadcast_variables(model_state_variables(model), root_rank=self.root_rank, comm=comm)
+        keep = [v for v in model_state_variables(model) if id(v) not in self._local]
+        broadcast_variables(keep, root_rank=self.root_rank, comm=comm)
         if opt is not None:
-            broadcast_variables(opt.variables, root_rank=self.root_rank, comm=comm)
+            broadcast_variables([v for v in opt.variables if id(v) not in self._local],
+                                root_rank=self.root_rank, comm=comm)
         self.broadcast_done = True
 
     def on_train_begin(self, logs: dict | None = None) -> None:
@@ -90,8 +96,9 @@ class MetricAverageCallback(keras.callbacks.Callback):
     same vector). ``hvdc_*`` statistics stay per rank.
     """
 
-    def __init__(self, comm: Any = None) -> None:
+    def __init__(self, device: str = "", comm: Any = None) -> None:
         super().__init__()
+        self.device = device
         self.comm = comm
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
@@ -218,3 +225,137 @@ class CompressionStatsCallback(keras.callbacks.Callback):
         reducer = reducer_of(self.model.optimizer)
         reducer.measure_error_every = 0
         reducer.measure_next = False
+
+
+# ------------------------------------------------- Horovod's learning-rate callbacks
+def _get_lr(optimizer: Any) -> float:
+    return float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+
+
+def _set_lr(optimizer: Any, value: float) -> None:
+    optimizer.learning_rate = value
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Horovod's ``LearningRateScheduleCallback``: ``lr = initial_lr * multiplier(epoch)``.
+
+    From ``start_epoch`` to ``end_epoch`` (exclusive): per epoch with
+    ``staircase`` (at its first batch), else per batch with a fractional
+    epoch (``steps_per_epoch`` from ``fit``'s ``steps`` if not given). A
+    constant ``multiplier`` m means ``m ** (epoch - start_epoch)``. With
+    ``momentum_correction`` an optimizer's ``momentum`` is scaled by
+    new_lr / old_lr for the batch after a change (Goyal et al.). The epoch's
+    learning rate goes into ``logs["lr"]``.
+    """
+
+    def __init__(self, initial_lr: float, multiplier: Any, start_epoch: int = 0,
+                 end_epoch: int | None = None, staircase: bool = True,
+                 momentum_correction: bool = True, steps_per_epoch: int | None = None) -> None:
+        super().__init__()
+        if initial_lr is None:
+            raise ValueError("Parameter `initial_lr` is required")
+        self.initial_lr = float(initial_lr)
+        self.start_epoch = start_epoch
+        self.end_epoch = end_epoch
+        self.staircase = staircase
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.restore_momentum: float | None = None
+        self.current_epoch: int | None = None
+        self.multiplier = multiplier if callable(multiplier) else \
+            (lambda epoch: multiplier ** (epoch - start_epoch))
+
+    def _autodetect_steps_per_epoch(self) -> int:
+        steps = (self.params or {}).get("steps")
+        if steps:
+            return int(steps)
+        raise ValueError("Could not autodetect the number of steps per epoch. Please specify the "
+                         f"steps_per_epoch parameter to {type(self).__name__}()")
+
+    def _adjust_learning_rate(self, epoch: float) -> None:
+        opt = self.model.optimizer
+        old_lr = _get_lr(opt)
+        new_lr = self.initial_lr * self.multiplier(epoch)
+        _set_lr(opt, new_lr)
+        momentum = getattr(opt, "momentum", None)
+        if self.momentum_correction and isinstance(momentum, float) and momentum and old_lr > 0:
+            self.restore_momentum = momentum
+            opt.momentum = momentum * new_lr / old_lr
+
+    def _restore_momentum_if_needed(self) -> None:
+        if self.restore_momentum is not None:
+            self.model.optimizer.momentum = self.restore_momentum
+            self.restore_momentum = None
+
+    def on_train_begin(self, logs: dict | None = None) -> None:
+        if not self.staircase and not self.steps_per_epoch:
+            self.steps_per_epoch = self._autodetect_steps_per_epoch()
+
+    def on_epoch_begin(self, epoch: int, logs: dict | None = None) -> None:
+        self.current_epoch = epoch
+
+    def on_train_batch_begin(self, batch: int, logs: dict | None = None) -> None:
+        if self.current_epoch < self.start_epoch or (
+                self.end_epoch is not None and self.current_epoch >= self.end_epoch):
+            return
+        if self.staircase and batch == 0:
+            self._adjust_learning_rate(self.current_epoch)
+        elif not self.staircase:
+            self._adjust_learning_rate(self.current_epoch + float(batch) / self.steps_per_epoch)
+
+    def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
+        self._restore_momentum_if_needed()
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        if logs is not None:
+            logs["lr"] = _get_lr(self.model.optimizer)
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Horovod's ``LearningRateWarmupCallback``: lr from ``initial_lr / P`` to ``initial_lr``.
+
+    Over ``warmup_epochs`` epochs, per batch:
+    ``lr = initial_lr / P * (e * (P - 1) / warmup_epochs + 1)`` with ``e`` the
+    fractional epoch at the batch's end (Goyal et al.'s gradual warm-up).
+    """
+
+    def __init__(self, initial_lr: float, warmup_epochs: int = 5, momentum_correction: bool = True,
+                 steps_per_epoch: int | None = None, verbose: int = 0) -> None:
+        def multiplier(epoch: float) -> float:
+            p = world.size()
+            epoch += 1.0 / self.steps_per_epoch
+            return 1.0 / p * (epoch * (p - 1) / warmup_epochs + 1)
+
+        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs,
+                         staircase=False, momentum_correction=momentum_correction,
+                         steps_per_epoch=steps_per_epoch)
+        self.verbose = verbose
+
+    def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
+        super().on_epoch_end(epoch, logs)
+        if epoch == self.end_epoch - 1 and self.verbose > 0 and world.rank() == 0:
+            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
+                  f"{_get_lr(self.model.optimizer):g}.", flush=True)
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """Horovod's ``BestModelCheckpoint``: ``ModelCheckpoint(save_best_only=True)``, rank 0 writes.
+
+    Horovod leaves ``filepath`` to its Spark estimator; here it defaults to
+    ``best.keras`` (``best.weights.h5`` with ``save_weights_only``) and can be
+    given as ``filepath=``. Other ranks write nothing.
+    """
+
+    def __init__(self, monitor: str = "val_loss", verbose: int = 0,
+                 save_weights_only: bool = False, mode: str = "auto",
+                 save_freq: Any = "epoch", filepath: str | None = None) -> None:
+        if filepath is None:
+            filepath = "best.weights.h5" if save_weights_only else "best.keras"
+        super().__init__(filepath=filepath, monitor=monitor, verbose=verbose,
+                         save_best_only=True, save_weights_only=save_weights_only, mode=mode,
+                         save_freq=save_freq)
+
+    def _save_model(self, *args: Any, **kwargs: Any) -> Any:
+        if world.rank() != 0:
+            return None
+        return super()._save_model(*args, **kwargs)

@@ -169,6 +169,7 @@ class GradientReducer:
         self.comm = comm if comm is not None else world.communicator()
         self.op = op_name(op)
         self.predivide = float(gradient_predivide_factor)
+        self.postscale = 1.0  # extra factor on results (Horovod keras: summed accumulation)
         self.bucket_bytes = int(bucket_bytes)
         self.overlap = bool(overlap)
         self.dense = False               # True: exchange uncompressed (warm-up)
@@ -287,7 +288,7 @@ class GradientReducer:
         if self.measure_next or (every > 0 and st.steps % every == 0):
             self.measure_next = False
             self._measure_error(vset, arrays, averaged)
-        scale = self.predivide * (comm.size if self.op == Sum else 1)
+        scale = self.predivide * (comm.size if self.op == Sum else 1) * self.postscale
         outs = []
         for name, dt, inv in zip(vset.names, vset.np_dtypes, vset.inverse):
             avg = averaged[name] if inv is None else np.transpose(averaged[name], inv)

@@ -53,18 +53,61 @@ class _DistributedGradientTape(tf.GradientTape):
     _hvdc_reducer: GradientReducer
 
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None,
-                 unconnected_gradients: Any = tf.UnconnectedGradients.NONE) -> Any:
+                 unconnected_gradients: Any = tf.UnconnectedGradients.NONE,
+                 use_generic_names: bool = False) -> Any:
         grads = super().gradient(target, sources, output_gradients=output_gradients,
                                  unconnected_gradients=unconnected_gradients)
         flat_sources = tf.nest.flatten(sources)
         flat_grads = tf.nest.flatten(grads, expand_composites=False)
-        averaged = self._hvdc_reducer.reduce(flat_grads, flat_sources, self._hvdc_names)
-        return tf.nest.pack_sequence_as(sources, averaged)
+        local = getattr(self, "_hvdc_local_sources", None)
+        if not local:
+            averaged = self._hvdc_reducer.reduce(flat_grads, flat_sources, self._hvdc_names)
+            return tf.nest.pack_sequence_as(sources, averaged)
+        # Horovod's PartialDistributedGradientTape: local sources are not exchanged.
+        is_local = [_ref(s) in local for s in flat_sources]
+        shared = [i for i, loc in enumerate(is_local) if not loc]
+        names = self._hvdc_names
+        averaged = self._hvdc_reducer.reduce(
+            [flat_grads[i] for i in shared], [flat_sources[i] for i in shared],
+            None if names is None else [names[i] for i in shared]) if shared else []
+        out = list(flat_grads)
+        for i, g in zip(shared, averaged):
+            out[i] = g
+        if getattr(self, "_hvdc_scale_local", True):
+            p = self._hvdc_reducer.comm.size
+            for i, loc in enumerate(is_local):
+                if loc and out[i] is not None:
+                    g = out[i]
+                    out[i] = tf.IndexedSlices(g.values / p, g.indices, g.dense_shape) \
+                        if isinstance(g, tf.IndexedSlices) else g / tf.cast(p, g.dtype)
+        return tf.nest.pack_sequence_as(sources, out)
+
+    def register_local_source(self, source: Any) -> None:
+        """Keep ``source``'s gradient local (not exchanged; divided by P, as Horovod does)."""
+        local = getattr(self, "_hvdc_local_sources", None)
+        if local is None:
+            local = self._hvdc_local_sources = set()
+        local.add(_ref(source))
+
+    def get_local_and_global_gradients(self, target: Any, sources: Any,
+                                       output_gradients: Any = None,
+                                       use_generic_names: bool = False) -> tuple[list, list]:
+        """``([(local source, grad)], [(exchanged source, grad)])``, as in Horovod."""
+        grads = self.gradient(target, sources, output_gradients=output_gradients)
+        local = getattr(self, "_hvdc_local_sources", None) or set()
+        pairs = list(zip(tf.nest.flatten(sources), tf.nest.flatten(grads)))
+        return ([(s, g) for s, g in pairs if _ref(s) in local],
+                [(s, g) for s, g in pairs if _ref(s) not in local])
 
     @property
     def reducer(self) -> GradientReducer:
         """The reducer (statistics, compression method) behind this tape."""
         return self._hvdc_reducer
+
+
+def _ref(source: Any) -> Any:
+    """A hashable identity of a variable (``ref()`` where TensorFlow has it, else ``id``)."""
+    return source.ref() if hasattr(source, "ref") else id(source)
 
 
 _CLASSES: dict[type, type] = {}

@@ -1,14 +1,92 @@
-"""PyTorch front-end: ``import horovod_compress.torch as hvdc_torch``.
+"""PyTorch front-end: ``import horovod_compress.torch as hvd`` in place of ``import horovod.torch as hvd``.
 
-Mirrors ``horovod.torch``: ``init``, ``rank``, ``size``, ``local_rank``,
-``DistributedOptimizer``, ``broadcast_parameters``,
-``broadcast_optimizer_state``, ``Average``/``Sum``.
+Every public name of ``horovod.torch`` 0.28 is here with Horovod's
+parameters (:mod:`.horovod_api`; the table is in docs/horovod.md), plus ours:
+``communicator()`` (the mpi4py :class:`~horovod_compress.mpi_collectives.Communicator`
+with byte counts), ``horovod_active()``, ``broadcast_object(..., comm=)``.
+``DistributedOptimizer`` takes any ``Compression.<method>`` (called, or
+uncalled as in ``hvd.Compression.fp16``).
 """
-from ..compressors import Compression
-from .broadcast import broadcast_object, broadcast_optimizer_state, broadcast_parameters
-from .optimizer import Average, DistributedOptimizer, Sum
-from .world import communicator, horovod_active, init, local_rank, rank, size
+import sys as _sys
 
-__all__ = ["Average", "Compression", "DistributedOptimizer", "Sum", "broadcast_object",
-           "broadcast_optimizer_state", "broadcast_parameters", "communicator",
-           "horovod_active", "init", "local_rank", "rank", "size"]
+from ..compressors import Compression
+from . import elastic, optimizer
+from . import rng as _rng  # noqa: F401  (registers powersgd's q_init="torch" generator)
+from .horovod_api import (
+    Adasum,
+    Average,
+    DistributedOptimizer,
+    HorovodInternalError,
+    Max,
+    Min,
+    ProcessSet,
+    Product,
+    Sum,
+    SyncBatchNorm,
+    add_process_set,
+    allgather,
+    allgather_async,
+    allgather_object,
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    alltoall,
+    alltoall_async,
+    barrier,
+    broadcast,
+    broadcast_,
+    broadcast_async,
+    broadcast_async_,
+    broadcast_object,
+    broadcast_optimizer_state,
+    broadcast_parameters,
+    ccl_built,
+    check_extension,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    global_process_set,
+    gloo_built,
+    gloo_enabled,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    init,
+    is_initialized,
+    join,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    poll,
+    rank,
+    reducescatter,
+    reducescatter_async,
+    remove_process_set,
+    rocm_built,
+    shutdown,
+    size,
+    sparse_allreduce_async,
+    start_timeline,
+    stop_timeline,
+    synchronize,
+)
+from .world import communicator, horovod_active
+
+# Horovod's submodules of horovod.torch, for scripts that reach them as attributes
+# (hvd.mpi_ops.allreduce, hvd.compression.Compression ...): the API module.
+from . import horovod_api as mpi_ops  # noqa: E402
+compression = functions = sync_batch_norm = mpi_ops
+for _name in ("mpi_ops", "compression", "functions", "sync_batch_norm"):
+    _sys.modules.setdefault(f"{__name__}.{_name}", mpi_ops)
+
+__all__ = [n for n in dir() if not n.startswith("_") and n != "horovod_api"]

@@ -139,7 +139,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 f"gradient of {self._hvdc_names[key]!r} computed more often than "
                 f"backward_passes_per_step={self.backward_passes_per_step} before step(); "
                 "raise backward_passes_per_step or call step() in between")
-        grad = to_array(p.grad)
+        grad = to_array(p.grad.to_dense() if p.grad.is_sparse else p.grad)
         if self._hvdc_predivide != 1.0:
             grad = grad / grad.dtype.type(self._hvdc_predivide)
         self._hvdc_exchange.submit(self._hvdc_names[key], grad)
@@ -164,8 +164,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             avg = averaged[self._hvdc_names[id(p)]]
             if scale != 1.0:
                 avg = avg * avg.dtype.type(scale)
-            if p.grad is None:  # unused parameter: Horovod gives it the (zero-averaged) grad
-                p.grad = torch.zeros_like(p)
+            if p.grad is None or p.grad.is_sparse:  # unused parameter: Horovod gives it the
+                p.grad = torch.zeros_like(p)             # (zero-averaged) grad; sparse -> dense
             copy_into(p.grad, avg)
             self._hvdc_passes[id(p)] = 0
         self._hvdc_synchronized = True

@@ -1,4 +1,4 @@
-"""Run under horovodrun: our stateless compressors inside Horovod's own DistributedOptimizer."""
+"""Run under horovodrun: our compressors (fp16 native, randk its exchange) in Horovod's optimizer."""
 import json
 import sys
 

@@ -297,8 +297,11 @@ def case_backward_passes_per_step(comm):
     layer = keras.layers.Dense(3, name="lin")
     layer.build((None, 4))
     w0 = [v.numpy().copy() for v in layer.trainable_variables]
+    # average_aggregated_gradients=True: the mean of the micro-batches (Horovod's default,
+    # False, exchanges their sum)
     opt = hvdc_keras.DistributedOptimizer(keras.optimizers.SGD(0.1), comm=comm,
-                                          backward_passes_per_step=2)
+                                          backward_passes_per_step=2,
+                                          average_aggregated_gradients=True)
     assert opt.gradient_accumulation_steps == 2
     opt.build(layer.trainable_variables)
 

@@ -1,0 +1,259 @@
+"""Every method inside Horovod's own PyTorch DistributedOptimizer (run under horovodrun -np 2).
+
+For each method x op (Average, Sum): Horovod's optimizer with the method must
+give, step after step, exactly the gradients our own
+``horovod_compress.torch.DistributedOptimizer`` gives with a fresh instance of
+the same method (same buckets, names, state) -- and ``none``/``fp16``/``bf16``,
+which Horovod reduces itself, the dense average. Plus the options: Adasum
+refused for compressed methods, predivide, backward_passes_per_step, the
+uncalled factory, direct ``hvd.allreduce``, non-linear ops and reducescatter
+refused, a process set. Writes {check: "ok" | error text} as JSON (rank 0).
+"""
+import json
+import os
+import sys
+import traceback
+
+os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
+
+import horovod.torch as hvd  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import horovod_compress as hvdc  # noqa: E402
+import horovod_compress.torch as hvdc_torch  # noqa: E402
+from horovod_compress.mpi_collectives import Communicator  # noqa: E402
+
+hvd.init()
+hvdc_torch.init()
+torch.set_num_threads(1)
+comm = hvdc_torch.communicator()
+RANK, SIZE = comm.rank, comm.size
+report: dict[str, str] = {}
+STEPS = 3
+
+
+def check(name):
+    def deco(fn):
+        try:
+            fn()
+            report[name] = "ok"
+        except Exception as exc:  # noqa: BLE001 - recorded per check
+            report[name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
+        return fn
+    return deco
+
+
+def model_pair(seed=0):
+    torch.manual_seed(seed)
+    a = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    b = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    b.load_state_dict(a.state_dict())
+    return a, b
+
+
+def batch(step, rank=RANK):
+    g = np.random.default_rng(1000 * step + rank)
+    return (torch.from_numpy(g.standard_normal((8, 32)).astype(np.float32)),
+            torch.from_numpy(g.standard_normal((8, 8)).astype(np.float32)))
+
+
+def grads(model):
+    return [p.grad.detach().clone().numpy() for p in model.parameters()]
+
+
+def backward(model, step, passes=1):
+    for k in range(passes):
+        x, y = batch(10 * step + k)
+        ((model(x) - y) ** 2).mean().backward()
+
+
+def dense_reference(model_fresh, step):
+    """Every rank's local gradients at the model's current weights, averaged."""
+    model_fresh.zero_grad()
+    backward(model_fresh, step)
+    local = grads(model_fresh)
+    return [comm.allgather(g).mean(0) for g in local]
+
+
+def same_on_ranks(arrays):
+    for a in arrays:
+        all_a = comm.allgather(np.ascontiguousarray(a))
+        assert (all_a == all_a[0]).all(), "ranks disagree"
+
+
+def run_pair(method_name, op, hvd_kwargs=None, our_kwargs=None, passes=1, factory=False):
+    a, b = model_pair()
+    params = {}
+    make = getattr(hvdc.Compression, method_name)
+    comp_a = make if factory else make(**params)
+    comp_b = make(**params)
+    opt_a = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.05),
+                                     named_parameters=a.named_parameters(), compression=comp_a,
+                                     op=op, backward_passes_per_step=passes, **(hvd_kwargs or {}))
+    opt_b = hvdc_torch.DistributedOptimizer(torch.optim.SGD(b.parameters(), lr=0.05),
+                                            named_parameters=b.named_parameters(),
+                                            compression=comp_b, op=op,
+                                            backward_passes_per_step=passes, **(our_kwargs or {}))
+    worst = 0.0
+    for step in range(STEPS):
+        ref = None
+        if method_name in ("none", "fp16", "bf16"):
+            fresh, _ = model_pair()
+            fresh.load_state_dict(a.state_dict())
+            ref = dense_reference(fresh, step) if passes == 1 else None
+        for opt, m in ((opt_a, a), (opt_b, b)):
+            opt.zero_grad()
+            backward(m, step, passes)
+            opt.synchronize()
+        ga, gb = grads(a), grads(b)
+        if ref is not None:
+            scale = SIZE if op == hvd.Sum else 1.0
+            tol = {"none": 1e-6, "fp16": 2e-3, "bf16": 2e-2}[method_name]
+            for x, r in zip(ga, ref):
+                assert np.allclose(x, r * scale, rtol=tol, atol=tol * np.abs(r).max() * scale), \
+                    (method_name, step, np.abs(x - r * scale).max())
+        else:
+            exact = not (our_kwargs or hvd_kwargs)   # predivide rounds differently
+            for x, y in zip(ga, gb):
+                worst = max(worst, float(np.abs(x - y).max()))
+                ok = np.array_equal(x, y) if exact else \
+                    np.allclose(x, y, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(y).max())))
+                assert ok, (f"step {step}: Horovod's optimizer differs from ours by "
+                            f"{np.abs(x - y).max()} (max |ours| {np.abs(y).max()})")
+        same_on_ranks(ga)
+        for opt in (opt_a, opt_b):
+            with opt.skip_synchronize():
+                opt.step()
+    same_on_ranks([p.detach().numpy() for p in a.parameters()])
+    opt_b.close()
+    return worst
+
+
+for name in hvdc.Compression.available():
+    for op_label, op in (("Average", hvd.Average), ("Sum", hvd.Sum)):
+        check(f"torch_optimizer[{name}-{op_label}]")(lambda name=name, op=op: run_pair(name, op))
+
+
+@check("torch_uncalled_factory_topk")
+def _():
+    run_pair("topk", hvd.Average, factory=True)
+
+
+@check("torch_uncalled_factory_fp16")
+def _():
+    run_pair("fp16", hvd.Average, factory=True)
+
+
+@check("torch_predivide_topk")
+def _():
+    run_pair("topk", hvd.Average, hvd_kwargs={"gradient_predivide_factor": 4.0},
+             our_kwargs={"gradient_predivide_factor": 4.0})
+
+
+@check("torch_backward_passes_topk")
+def _():
+    run_pair("topk", hvd.Average, passes=2)
+
+
+@check("torch_adasum_refused_topk")
+def _():
+    a, _ = model_pair()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.05),
+                                   named_parameters=a.named_parameters(),
+                                   compression=hvdc.Compression.topk(), op=hvd.Adasum)
+    opt.zero_grad()
+    try:
+        backward(a, 0)
+    except ValueError as exc:
+        assert "Adasum" in str(exc), exc
+        return
+    raise AssertionError("Adasum with topk was not refused")
+
+
+@check("torch_adasum_fp16_runs")
+def _():
+    a, _ = model_pair()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.05),
+                                   named_parameters=a.named_parameters(),
+                                   compression=hvdc.Compression.fp16(), op=hvd.Adasum)
+    opt.zero_grad()
+    backward(a, 0)
+    opt.step()
+    same_on_ranks([p.detach().numpy() for p in a.parameters()])
+
+
+@check("torch_allreduce_direct_topk_sum")
+def _():
+    x = batch(7)[0]
+    m1, m2 = hvdc.Compression.topk(density=0.1), hvdc.Compression.topk(density=0.1)
+    for step in range(2):
+        got = hvd.allreduce(x * (step + 1), name="direct.x", compression=m1, op=hvd.Sum).numpy()
+        want = m2.allreduce((x * (step + 1)).numpy(), "direct.x", comm) * SIZE
+        assert np.array_equal(got, want), np.abs(got - want).max()
+
+
+@check("torch_allreduce_unnamed_stateful_refused")
+def _():
+    try:
+        hvd.allreduce(batch(7)[0], compression=hvdc.Compression.oktopk())
+    except ValueError as exc:
+        assert "name=" in str(exc), exc
+        return
+    raise AssertionError("no error")
+
+
+@check("torch_allreduce_min_refused")
+def _():
+    try:
+        hvd.allreduce(batch(7)[0], name="min.x", compression=hvdc.Compression.topk(),
+                      op=hvd.Min)
+    except ValueError as exc:
+        assert "non-linear" in str(exc), exc
+        return
+    raise AssertionError("no error")
+
+
+@check("torch_reducescatter_refused")
+def _():
+    try:
+        hvd.reducescatter(batch(7)[0], compression=hvdc.Compression.topk())
+    except ValueError as exc:
+        assert "reducescatter" in str(exc), exc
+        return
+    raise AssertionError("no error")
+
+
+@check("torch_process_set_topk")
+def _():
+    ps = hvd.add_process_set([0])
+    a, b = model_pair()
+    opt_a = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.05),
+                                     named_parameters=a.named_parameters(),
+                                     compression=hvdc.Compression.topk(), process_set=ps)
+    self_comm = Communicator(__import__("mpi4py").MPI.COMM_SELF)
+    opt_b = hvdc_torch.DistributedOptimizer(torch.optim.SGD(b.parameters(), lr=0.05),
+                                            named_parameters=b.named_parameters(),
+                                            compression=hvdc.Compression.topk(), comm=self_comm)
+    for step in range(2):
+        for opt, m in ((opt_a, a), (opt_b, b)):
+            opt.zero_grad()
+            backward(m, step)
+            if RANK == 0 or opt is opt_b:
+                opt.synchronize()
+        if RANK == 0:   # in the set: the method over the set's one rank, as ours gives it
+            for x, y in zip(grads(a), grads(b)):
+                assert np.array_equal(x, y), np.abs(x - y).max()
+        for opt in (opt_a, opt_b):
+            if RANK == 0 or opt is opt_b:
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
+    comm.barrier()
+    hvd.remove_process_set(ps)
+
+
+if RANK == 0:
+    json.dump(report, open(sys.argv[1], "w"), indent=1)
+comm.barrier()

@@ -1,0 +1,115 @@
+"""Horovod's seven example scripts, as our own small equivalents, on 2 ranks (issue 16).
+
+Each script in tests/horovod_examples/ is written against Horovod
+(``import horovod.torch as hvd`` ...). Every one runs twice:
+
+* with our front-end: a copy in which only the import line is changed
+  (``horovod.torch`` -> ``horovod_compress.torch``, ``horovod.tensorflow`` ->
+  ``horovod_compress.tensorflow``, ``horovod.tensorflow.keras`` ->
+  ``horovod_compress.keras``), under ``mpirun -np 2``;
+* with Horovod itself plus one of our methods (``--compression NAME``,
+  passed uncalled to Horovod's optimizer/tape/allreduce), under
+  ``horovodrun -np 2``.
+
+Each rank writes a digest of its final model; the ranks must agree and the
+loss be finite. Horovod 0.28's Keras layer does not run on Keras 3, so the
+Keras example's Horovod run is an expected failure.
+"""
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from horovod_compress.testing import mpi_env, mpirun_command
+
+EXAMPLES = Path(__file__).parent / "horovod_examples"
+IMPORTS = {"import horovod.torch as hvd": "import horovod_compress.torch as hvd",
+           "import horovod.tensorflow as hvd": "import horovod_compress.tensorflow as hvd",
+           "import horovod.tensorflow.keras as hvd": "import horovod_compress.keras as hvd"}
+
+# script: (args with our front-end, args with Horovod + one of our methods)
+RUNS = {
+    "pytorch_mnist.py": (["--fp16-allreduce", "--gradient-predivide-factor", "2"],
+                         ["--compression", "oktopk"]),
+    "pytorch_synthetic_benchmark.py": (["--use-adasum"], ["--compression", "powersgd"]),
+    "pytorch_mnist_elastic.py": ([], ["--compression", "topk"]),
+    "adasum_small_model.py": (["--op", "Adasum"], ["--compression", "global_qsgd"]),
+    "tensorflow2_mnist.py": ([], ["--compression", "gaussiank"]),
+    "tensorflow2_synthetic_benchmark.py": (["--fp16-allreduce"], ["--compression", "qsgd"]),
+    "tensorflow2_keras_mnist.py": (["--compression", "topk"], ["--compression", "topk"]),
+}
+TF_SCRIPTS = {"tensorflow2_mnist.py", "tensorflow2_synthetic_benchmark.py",
+              "tensorflow2_keras_mnist.py"}
+
+try:
+    import horovod.torch  # noqa: F401
+    HAVE_HOROVOD = shutil.which("horovodrun", path=str(Path(sys.executable).parent)) is not None
+except ImportError:
+    HAVE_HOROVOD = False
+
+
+def ours_copy(script: str, where: Path) -> Path:
+    """The script with its Horovod import line replaced -- and nothing else."""
+    src = (EXAMPLES / script).read_text().splitlines(keepends=True)
+    out = []
+    for line in src:
+        stripped = line.rstrip("\n")
+        out.append(IMPORTS[stripped] + "\n" if stripped in IMPORTS else line)
+    changed = [(a, b) for a, b in zip(src, out) if a != b]
+    assert len(changed) == 1, f"{script}: expected exactly one import line to change, got {changed}"
+    shutil.copy(EXAMPLES / "_report.py", where / "_report.py")
+    dst = where / script
+    dst.write_text("".join(out))
+    return dst
+
+
+def launch(cmd: list[str], out: Path, timeout: int = 420) -> subprocess.CompletedProcess:
+    env = mpi_env({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                   "HVD_EXAMPLE_OUT": str(out)})
+    env.pop("HVDC_LAUNCHED", None)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=out)
+
+
+def check_ranks(out: Path, proc: subprocess.CompletedProcess) -> dict:
+    log = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, log
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert reports[0]["digest"] == reports[1]["digest"], f"ranks disagree:\n{log}"
+    for key in ("loss", "test_loss"):
+        if key in reports[0]:
+            assert math.isfinite(reports[0][key]), reports[0]
+    return reports[0]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("script", sorted(RUNS))
+def test_example_with_our_frontend(script, tmp_path):
+    if script in TF_SCRIPTS:
+        pytest.importorskip("tensorflow")
+    path = ours_copy(script, tmp_path)
+    proc = launch(mpirun_command(2) + [sys.executable, str(path), *RUNS[script][0]], tmp_path)
+    report = check_ranks(tmp_path, proc)
+    if script == "adasum_small_model.py":
+        assert report["steps"] >= 1
+
+
+@pytest.mark.mpi
+@pytest.mark.horovod
+@pytest.mark.skipif(not HAVE_HOROVOD, reason="Horovod is not built in this environment")
+@pytest.mark.parametrize("script", sorted(RUNS))
+def test_example_with_horovod_and_our_method(script, tmp_path):
+    if script == "tensorflow2_keras_mnist.py":
+        pytest.xfail("Horovod 0.28.1's Keras layer does not run on Keras 3 (docs/horovod.md); "
+                     "our front-end runs this script (test_example_with_our_frontend)")
+    if script in TF_SCRIPTS:
+        pytest.importorskip("horovod.tensorflow")
+    shutil.copy(EXAMPLES / "_report.py", tmp_path / "_report.py")
+    shutil.copy(EXAMPLES / script, tmp_path / script)
+    exe = str(Path(sys.executable).parent / "horovodrun")
+    proc = launch([exe, "-np", "2", sys.executable, str(tmp_path / script), *RUNS[script][1]],
+                  tmp_path)
+    check_ranks(tmp_path, proc)
