@@ -5,6 +5,7 @@ Examples::
     hvdc train --np 4 --compression topk --param density=0.01
     hvdc train --np 4 --compression all            # every method, side by side
     hvdc train --np 4 --framework tensorflow       # the Keras front-end
+    hvdc train --np 2 --launcher torchrun --compression powersgd   # DDP + our comm hook, no MPI
 
 At the end rank 0 prints a table (test accuracy, bytes sent per rank per step,
 compression ratio against a dense ring allreduce, seconds per step) and saves
@@ -51,6 +52,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                    help="method parameter (repeatable), e.g. --param density=0.01")
     p.add_argument("--framework", choices=["torch", "tensorflow"], default="torch")
+    p.add_argument("--launcher", choices=["mpirun", "torchrun"], default="mpirun",
+                   help="mpirun: our DistributedOptimizer on MPI ranks (default); torchrun: "
+                        "torch DistributedDataParallel with the method as a DDP comm hook "
+                        "(torch.distributed/gloo, no MPI; docs/ddp.md)")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.05)
@@ -77,6 +82,11 @@ def _methods(spec: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     methods = _methods(args.compression)
     params = parse_params(args.param)
+    if args.launcher == "torchrun":
+        if args.framework != "torch":
+            raise SystemExit("--launcher torchrun trains with PyTorch DDP (--framework torch)")
+        from .ddp_train import run_torchrun
+        return run_torchrun(args, methods, params)
     if args.np > 1 and not under_mpi_launcher():
         import sys
         return relaunch(args.np, "horovod_compress.cli", sys.argv[1:])
