@@ -32,16 +32,17 @@ def main() -> None:
                         help="epochs with a dense exchange before compressing")
     args = parser.parse_args()
 
-    comm = hvdc_keras.init()
+    hvdc_keras.init()                       # MPI world (mpi4py); works under mpirun, srun, horovodrun
+    rank, size = hvdc_keras.rank(), hvdc_keras.size()
     params = {"density": args.density} if args.density is not None else {}
     compression = hvdc.Compression.by_name(args.compression, **params)
 
     data = load_digits_split(seed=0)
-    steps = (len(data.y_train) // comm.size) // args.batch_size
-    x = data.x_train[comm.rank::comm.size][:steps * args.batch_size]  # this rank's shard
-    y = data.y_train[comm.rank::comm.size][:steps * args.batch_size]
+    steps = (len(data.y_train) // size) // args.batch_size
+    x = data.x_train[rank::size][:steps * args.batch_size]  # this rank's shard
+    y = data.y_train[rank::size][:steps * args.batch_size]
 
-    keras.utils.set_random_seed(comm.rank)  # different init per rank: the broadcast fixes it
+    keras.utils.set_random_seed(rank)  # different init per rank: the broadcast fixes it
     model = keras.Sequential([keras.Input(shape=(64,)),
                               keras.layers.Dense(128, activation="relu"),
                               keras.layers.Dense(128, activation="relu"),
@@ -60,10 +61,11 @@ def main() -> None:
                    hvdc_keras.MetricAverageCallback()])
 
     weights = np.concatenate([w.ravel() for w in model.get_weights()])
-    assert (comm.allgather(weights) == weights).all(), "ranks diverged"
-    if comm.rank == 0:
+    gathered = hvdc_keras.communicator().allgather_object(weights)
+    assert all((w == weights).all() for w in gathered), "ranks diverged"
+    if rank == 0:
         h = history.history
-        print(f"{compression!r} on {comm.size} ranks")
+        print(f"{compression!r} on {size} ranks")
         print("epoch  val_acc  KiB sent  ratio  rel. error")
         for e in range(args.epochs):
             print(f"{e + 1:5d}  {h['val_accuracy'][e]:.4f}  {h['hvdc_bytes_sent'][e] / 1024:8.1f}  "
