@@ -284,7 +284,7 @@ def analyse(runs: list[dict[str, Any]], args: argparse.Namespace | None = None) 
         "machine": f"{platform.machine()}, {os.cpu_count()} logical CPUs, {platform.system()} "
                    f"{platform.release()}",
         "versions": f"Python {platform.python_version()}, torch {torch.__version__}, NumPy {np.__version__}, "
-                    f"{MPI.Get_library_version().splitlines()[0].strip()}",
+                    f"{MPI.Get_library_version().replace(chr(0), '').splitlines()[0].strip()}",
         "commit": _commit(),
         "model": runs[0]["model"] if runs else None,
         "runs": runs,

@@ -90,11 +90,13 @@ def cluster_env(spec: ClusterSpec, ranks: int | None = None,
         "OMPI_MCA_orte_default_hostfile": str(d / HOSTFILE),
         "OMPI_MCA_plm_rsh_no_tree_spawn": "1",
         "OMPI_MCA_btl": "tcp,self",
-        # Open MPI 4.1's TCP BTL moves one direction at a time over a single
-        # connection per peer pair (measured: a ring shift reached half the
-        # link rate each way while raw TCP sockets reached the full rate both
-        # ways); two connections per peer give the full-duplex link rate.
-        "OMPI_MCA_btl_tcp_links": "2",
+        # One TCP connection per peer pair (Open MPI's default). Two
+        # (btl_tcp_links=2) once measured a higher ring-shift rate, but Open
+        # MPI 4.x's multi-link TCP has known hangs (open-mpi/ompi#8498,
+        # #4795) and a whole-suite e2e run hung twice in an Allgatherv at
+        # P = 4 with it; with one link the probes reach 0.92 of 1 Gbit for
+        # point to point and allreduce. Set OMPI_MCA_btl_tcp_links to override.
+        "OMPI_MCA_btl_tcp_links": env.get("OMPI_MCA_btl_tcp_links", "1"),
         "OMPI_MCA_btl_tcp_if_include": spec.cidr,
         "OMPI_MCA_oob_tcp_if_include": spec.cidr,
         "OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
