@@ -6,7 +6,8 @@ benchmark times one whole ``Method.allreduce`` of a ``--shape`` float32
 gradient (error feedback, compression, communication, decompression) for
 every method at its default parameters, at each ``P`` in ``--np``, with one
 thread per rank (``OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1``, also with fewer
-ranks than cores, so the numbers compare across P), and in the same run:
+ranks than cores, so the numbers compare across P), warm-up off (warm-up steps
+are dense allreduces; Ok-Topk's default is 32), and in the same run:
 
 * a memcpy of the gradient (``np.copyto``): the floor of any pass over it;
 * a dense float32 allreduce (``Communicator.allreduce(x, "avg")``).
@@ -176,6 +177,8 @@ def _worker(args: argparse.Namespace) -> None:
     for spec in method_specs(args.methods):
         name, params = parse_spec(spec)
         method = create(name, **params)
+        if getattr(method, "warmup_steps", 0) and "warmup_steps" not in params:
+            method = create(name, **{**params, "warmup_steps": 0})   # warm-up steps are dense
         t = timed(lambda: method.allreduce(grad, "g", comm))
         comm.reset_stats()
         method.allreduce(grad, "g", comm)
@@ -206,8 +209,10 @@ def render_markdown(report: dict[str, Any], plot_name: str | None = None) -> str
         "# Compute: the price of compression on shared memory",
         "",
         f"`{report['command'].strip()}` on {m['cpu_count']} cores ({m['machine']}), "
-        f"{m['date']}, load average before the run {m['load_average']}. "
-        f"Gradient {report['shape']} float32; every method at its default parameters; "
+        f"{m['date']}, load average before the run "
+        f"{', '.join(f'{x:.2f}' for x in m['load_average'] or [])}. "
+        f"Gradient {report['shape']} float32; every method at its default parameters, warm-up "
+        "off (`warmup_steps=0`: warm-up steps are dense); "
         f"one thread per rank; median of {report['repeat']} calls after {report['warmup']} "
         "untimed ones, each the slowest rank's time. *Compute* is the time outside MPI "
         "(error feedback, compression, decompression; the largest over ranks), *comm* the "
@@ -238,13 +243,14 @@ def render_markdown(report: dict[str, Any], plot_name: str | None = None) -> str
         lines.append("")
     two = [r for run_ in report["runs"] if run_["P"] == 2 for r in _ratio_rows(run_)]
     if two:
-        within = [r["method"] for r in two if r["compute_x_memcpy"] <= TARGET_COMPUTE_X_MEMCPY]
-        beyond = [f"{r['method']} ({r['compute_x_memcpy']:.1f}x)" for r in two
+        within = [f"`{r['method']}`" for r in two
+                  if r["compute_x_memcpy"] <= TARGET_COMPUTE_X_MEMCPY]
+        beyond = [f"`{r['method']}` ({r['compute_x_memcpy']:.1f}x)" for r in two
                   if r["compute_x_memcpy"] > TARGET_COMPUTE_X_MEMCPY]
         lines += ["## Compute against the memcpy floor (P = 2)", "",
                   f"Within {TARGET_COMPUTE_X_MEMCPY:g}x a memcpy: "
-                  f"{', '.join(within) if within else 'none'}.", "",
-                  f"Beyond it: {', '.join(beyond) if beyond else 'none'}.", ""]
+                  f"{', '.join(within) if within else 'no method'}.", "",
+                  f"Beyond it: {', '.join(beyond) if beyond else 'no method'}.", ""]
     if plot_name:
         lines += [f"![cost of one compressed allreduce against dense]({plot_name})", ""]
     return "\n".join(lines)
