@@ -32,6 +32,26 @@ from typing import Any
 VARIANTS = ("ddp_dense", "hvdc_powersgd", "torch_powerSGD_hook")
 
 
+def _with_loss_forward(model: Any) -> Any:
+    """``model`` wrapped so that ``forward(x, y)`` is ``model.loss(x, y)``.
+
+    DDP synchronises gradients (and calls the comm hook) only for a backward
+    that follows *its own* forward, which arms its reducer; calling
+    ``ddp.module.loss`` directly would train without any communication.
+    """
+    import torch
+
+    class LossOf(torch.nn.Module):
+        def __init__(self, inner: Any) -> None:
+            super().__init__()
+            self.model = inner
+
+        def forward(self, x: Any, y: Any) -> Any:
+            return self.model.loss(x, y)
+
+    return LossOf(model)
+
+
 def _worker(args: argparse.Namespace) -> None:
     import numpy as np
     import torch
@@ -48,7 +68,7 @@ def _worker(args: argparse.Namespace) -> None:
     models, opts = {}, {}
     for v in variants:
         torch.manual_seed(0)
-        net = build_model(args.model)
+        net = _with_loss_forward(build_model(args.model))
         ddp = torch.nn.parallel.DistributedDataParallel(net)
         if v == "hvdc_powersgd":
             method = hvdc.Compression.powersgd(rank=args.rank, warmup_steps=2)
@@ -80,7 +100,7 @@ def _worker(args: argparse.Namespace) -> None:
         dist.barrier()
         t0 = time.perf_counter()
         opt.zero_grad()
-        ddp.module.loss(x, y).backward()
+        ddp(x, y).backward()     # through DDP's forward: its reducer (and the hook) runs
         opt.step()
         return time.perf_counter() - t0
 
