@@ -30,7 +30,8 @@ def _run(cmd: list[str], env: dict[str, str] | None = None, timeout: int = 300) 
     env.pop("HVDC_LAUNCHED", None)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{shlex.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
-    return proc.stdout
+    # Keras' progress bar can leave ANSI colour resets in piped output (seen in CI)
+    return re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout)
 
 
 def test_pytorch_example_cnn_two_ranks():
