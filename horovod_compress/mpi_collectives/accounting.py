@@ -1,4 +1,4 @@
-"""Byte and time accounting shared by the communicator backends that do not need mpi4py.
+"""Byte and time accounting shared by every communicator backend (mpi4py and torch.distributed).
 
 :class:`Accounting` holds the counters and their public API (``bytes_sent``,
 ``bytes_received``, ``stats()``, ``reset_stats()``, ``timings()``,
@@ -82,7 +82,18 @@ class Accounting:
             self._cpu_seconds = 0.0
 
     def timings(self) -> dict[str, Any]:
-        """Seconds inside collectives: ``{"total": s, "by_op": {op: s}, "cpu_total": s}`` (wall, CPU)."""
+        """Seconds this rank spent inside collectives: ``{"total": s, "by_op": {op: s}, "cpu_total": s}``.
+
+        ``total`` and ``by_op`` are wall time; ``cpu_total`` is the calling
+        threads' CPU time inside the calls (polling, copies, user-defined
+        reduction operators), which lets a benchmark separate a method's own
+        CPU work from time spent waiting.
+
+        Waiting for other ranks counts here too (a collective returns when its
+        slowest participant has taken part), which is what a step loses to
+        communication. Kept apart from :meth:`stats` so byte counts stay
+        deterministic and comparable across runs.
+        """
         with self._lock:
             return {"total": sum(self._seconds.values()), "by_op": dict(self._seconds),
                     "cpu_total": self._cpu_seconds}
@@ -116,24 +127,6 @@ class Accounting:
         finally:
             self._phase = previous
 
-    @contextlib.contextmanager
-    def unaccounted(self) -> Iterator[None]:
-        """Count nothing inside (a caller that accounts the calls itself, e.g. ``lockstep``)."""
-        self._suspended = getattr(self, "_suspended", 0) + 1
-        try:
-            yield
-        finally:
-            self._suspended -= 1
-
-    def _account_as(self, phase: str | None, op: str, sent: float, received: float) -> None:
-        """:meth:`_account` under ``phase`` instead of the current one."""
-        with self._lock:
-            previous, self._phase = self._phase, phase
-        try:
-            self._account(op, sent, received)
-        finally:
-            self._phase = previous
-
     def _account(self, op: str, sent: float, received: float) -> None:
         if getattr(self, "_suspended", 0):
             return
@@ -155,4 +148,31 @@ class Accounting:
         return 2.0 * nbytes * (p - 1) / p
 
 
-__all__ = ["Accounting", "OpStats"]
+class FusingAccounting(Accounting):
+    """:class:`Accounting` that lets a caller fuse calls and account them itself.
+
+    What :class:`~.lockstep.Lockstep` needs (``Lockstep.supports``): the
+    torch.distributed backends have it; the mpi4py ``Communicator`` does not
+    (its DDP hooks run tensor by tensor).
+    """
+
+    @contextlib.contextmanager
+    def unaccounted(self) -> Iterator[None]:
+        """Count nothing inside (a caller that accounts the calls itself, e.g. ``lockstep``)."""
+        self._suspended = getattr(self, "_suspended", 0) + 1
+        try:
+            yield
+        finally:
+            self._suspended -= 1
+
+    def _account_as(self, phase: str | None, op: str, sent: float, received: float) -> None:
+        """:meth:`_account` under ``phase`` instead of the current one."""
+        with self._lock:
+            previous, self._phase = self._phase, phase
+        try:
+            self._account(op, sent, received)
+        finally:
+            self._phase = previous
+
+
+__all__ = ["Accounting", "FusingAccounting", "OpStats"]

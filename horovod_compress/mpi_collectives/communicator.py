@@ -19,41 +19,18 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-import threading
-import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence, Union
 
 import numpy as np
 from mpi4py import MPI
 
 from ..kernels.arrays import is_gpu_array, to_host
+from .accounting import Accounting, OpStats
 
 OpLike = Union[str, MPI.Op]
 
 _NAMED_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD,
               "avg": MPI.SUM, "average": MPI.SUM}
-
-
-@dataclass
-class OpStats:
-    """Calls and bytes of one kind of operation (or one phase) on this rank."""
-
-    calls: int = 0
-    sent: float = 0.0
-    received: float = 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        """``{"calls", "sent", "received"}`` as a plain dict."""
-        return {"calls": self.calls, "sent": self.sent, "received": self.received}
-
-
-@dataclass
-class _Stats:
-    sent: float = 0.0
-    received: float = 0.0
-    by_op: dict[str, OpStats] = field(default_factory=dict)
-    by_phase: dict[str, OpStats] = field(default_factory=dict)
 
 
 def _contiguous(array: np.ndarray) -> np.ndarray:
@@ -119,7 +96,7 @@ class Request:
         return out
 
 
-class Communicator:
+class Communicator(Accounting):
     """mpi4py communicator on NumPy buffers with per-rank byte accounting.
 
     ``Communicator()`` wraps ``MPI.COMM_WORLD``; pass any mpi4py
@@ -132,13 +109,8 @@ class Communicator:
         self.comm: MPI.Intracomm = comm if comm is not None else MPI.COMM_WORLD
         self.rank: int = self.comm.Get_rank()
         self.size: int = self.comm.Get_size()
-        self._stats = _Stats()
-        self._phase: str | None = None
-        self._lock = threading.Lock()
+        self._init_accounting()
         self._device: Any = None
-        self._seconds: dict[str, float] = {}
-        self._cpu_seconds = 0.0
-        self._timing_depth = threading.local()
 
     @property
     def device(self) -> Any:
@@ -148,95 +120,8 @@ class Communicator:
             self._device = DeviceCollectives(self)
         return self._device
 
-    # ------------------------------------------------------------------ stats
-    @property
-    def bytes_sent(self) -> float:
-        """Cumulative bytes this rank sent under the volume model."""
-        return self._stats.sent
-
-    @property
-    def bytes_received(self) -> float:
-        """Cumulative bytes this rank received under the volume model."""
-        return self._stats.received
-
-    def stats(self) -> dict[str, Any]:
-        """Totals plus per-operation and per-phase breakdowns (plain dicts)."""
-        with self._lock:
-            return {
-                "sent": self._stats.sent,
-                "received": self._stats.received,
-                "by_op": {k: v.as_dict() for k, v in self._stats.by_op.items()},
-                "by_phase": {k: v.as_dict() for k, v in self._stats.by_phase.items()},
-            }
-
-    def reset_stats(self) -> None:
-        """Zero every counter (bytes and seconds)."""
-        with self._lock:
-            self._stats = _Stats()
-            self._seconds = {}
-            self._cpu_seconds = 0.0
-
-    def timings(self) -> dict[str, Any]:
-        """Seconds this rank spent inside MPI calls: ``{"total": s, "by_op": {op: s}, "cpu_total": s}``.
-
-        ``total`` and ``by_op`` are wall time; ``cpu_total`` is the calling
-        threads' CPU time inside MPI (polling, copies, user-defined reduction
-        operators), which lets a benchmark separate a method's own CPU work
-        from time spent waiting.
-
-        Waiting for other ranks counts here too (a collective returns when its
-        slowest participant has taken part), which is what a step loses to
-        communication. Kept apart from :meth:`stats` so byte counts stay
-        deterministic and comparable across runs.
-        """
-        with self._lock:
-            return {"total": sum(self._seconds.values()), "by_op": dict(self._seconds),
-                    "cpu_total": self._cpu_seconds}
-
-    @contextlib.contextmanager
-    def in_mpi(self, op: str) -> Iterator[None]:
-        """Time the enclosed MPI call(s) under ``op`` (nested uses count once, in the outermost)."""
-        depth = getattr(self._timing_depth, "value", 0)
-        self._timing_depth.value = depth + 1
-        t0, c0 = time.perf_counter(), time.thread_time()
-        try:
-            yield
-        finally:
-            self._timing_depth.value = depth
-            if depth == 0:
-                dt, dc = time.perf_counter() - t0, time.thread_time() - c0
-                with self._lock:
-                    self._seconds[op] = self._seconds.get(op, 0.0) + dt
-                    self._cpu_seconds += dc
-
-    @contextlib.contextmanager
-    def phase(self, label: str) -> Iterator[None]:
-        """Attribute the bytes of the enclosed calls to ``label`` as well."""
-        previous, self._phase = self._phase, label
-        try:
-            yield
-        finally:
-            self._phase = previous
-
-    def _account(self, op: str, sent: float, received: float) -> None:
-        with self._lock:
-            self._stats.sent += sent
-            self._stats.received += received
-            entry = self._stats.by_op.setdefault(op, OpStats())
-            entry.calls += 1
-            entry.sent += sent
-            entry.received += received
-            if self._phase is not None:
-                ph = self._stats.by_phase.setdefault(self._phase, OpStats())
-                ph.calls += 1
-                ph.sent += sent
-                ph.received += received
-
     # ------------------------------------------------------------ collectives
-    def _allreduce_volume(self, nbytes: int) -> float:
-        p = self.size
-        return 2.0 * nbytes * (p - 1) / p
-
+    # (byte and time accounting: inherited from Accounting)
     def allreduce(self, array: np.ndarray, op: OpLike = "sum") -> np.ndarray:
         """Elementwise reduction over ranks; ``op`` is sum/max/min/prod/avg or an ``MPI.Op``.
 

@@ -57,7 +57,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..kernels.arrays import is_gpu_array
-from .accounting import Accounting, OpStats
+from .accounting import FusingAccounting, OpStats
 from .reduce_ops import block_counts, check_custom, local_reduce
 
 _REDUCE_OPS = ("sum", "max", "min", "prod", "avg", "average")
@@ -159,7 +159,7 @@ class _CheckShim:
         return out
 
 
-class TorchCommunicator(Accounting):
+class TorchCommunicator(FusingAccounting):
     """``torch.distributed`` communicator on NumPy (and CuPy) buffers with per-rank byte accounting.
 
     ``TorchCommunicator()`` spans the default process group's ranks (it must
@@ -597,7 +597,7 @@ class TorchCommunicator(Accounting):
         return f"TorchCommunicator(rank={self.rank}, size={self.size})"
 
 
-class SelfCommunicator(Accounting):
+class SelfCommunicator(FusingAccounting):
     """A one-rank communicator without any library: every collective returns this rank's data.
 
     For work local to a rank (DeepReduce runs its sparsifier on one) where the
