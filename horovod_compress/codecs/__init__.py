@@ -1,4 +1,6 @@
-"""DeepReduce's sparse-tensor codecs (papers/deepreduce.txt).
+"""DeepReduce's sparse-tensor codecs.
+
+"DeepReduce: A Sparse-tensor Communication Framework for Distributed Deep Learning" (Kostopoulou et al., NeurIPS 2021).
 
 A sparse tensor is split into its support (indices) and values; an *index
 codec* and a *value codec* compress them independently, and

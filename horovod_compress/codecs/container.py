@@ -1,6 +1,7 @@
 """The DeepReduce container: one self-describing, versioned, checksummed byte string.
 
-DeepReduce (papers/deepreduce.txt, Section 3, Figure 3) "combines in one
+DeepReduce ("DeepReduce: A Sparse-tensor Communication Framework for Distributed Deep Learning" (Kostopoulou et al., NeurIPS 2021),
+Section 3, Figure 3) "combines in one
 container the compressed index and value structures, the reordering
 information and any required metadata". Ours is (all integers little-endian,
 ``varint`` = unsigned LEB128)::

@@ -1,6 +1,7 @@
 """``bloom`` index codec: the support in a Bloom filter, with the paper's four policies.
 
-Sizing (papers/deepreduce.txt, Section 2 and Remark 2 of the appendix): for a
+Sizing ("DeepReduce: A Sparse-tensor Communication Framework for Distributed Deep Learning" (Kostopoulou et al., NeurIPS 2021),
+Section 2 and Remark 2 of the appendix): for a
 false-positive rate eps and r = |S| indices,
 
     h = ceil(log2(1 / eps)) hash functions,   m = h * r / ln 2 bits

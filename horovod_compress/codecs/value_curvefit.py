@@ -1,6 +1,7 @@
 """Curve-fitting value codecs: ``polyfit`` (piecewise polynomial) and ``dexp`` (double exponential).
 
-DeepReduce's value compressor (papers/deepreduce.txt, Section 5): sort the r
+DeepReduce's value compressor ("DeepReduce: A Sparse-tensor Communication Framework for Distributed Deep Learning" (Kostopoulou et al., NeurIPS 2021),
+Section 5): sort the r
 values in descending order; the sorted curve is smooth, so a few curve
 parameters replace the values, and the permutation from the original to the
 sorted order travels separately (the container sends it in ceil(log2 r) bits

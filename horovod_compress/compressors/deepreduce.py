@@ -1,8 +1,8 @@
 """``deepreduce`` -- DeepReduce: sparse tensors as compressed (index, value) containers.
 
 Kostopoulou, Xu, Dutta, Li, Ntoulas, Kalnis, "DeepReduce: A Sparse-tensor
-Communication Framework for Distributed Deep Learning" (papers/deepreduce.txt;
-ALGORITHMS.md, "DeepReduce"). Per step and tensor, rank i
+Communication Framework for Distributed Deep Learning" (NeurIPS 2021,
+Sections 3-5). Per step and tensor, rank i
 
 1. sparsifies its input x_i with any registered method (``sparsifier="topk"``
    by default, or ``"none"`` for inherently sparse gradients): support S_i,

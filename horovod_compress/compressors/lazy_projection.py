@@ -1,6 +1,7 @@
 """``lazy_projection`` -- GaLore-style lazy low-rank projection, no error feedback.
 
-The "Lazy-SVD" framework of the GreedyLore paper (papers/greedylore.txt,
+The "Lazy-SVD" framework of the GreedyLore paper
+("Greedy Low-Rank Gradient Compression for Distributed Learning with Convergence Guarantees" (GreedyLore),
 eqs. 6-7, Algorithm 1; GaLore made communication-efficient, Appendix E) and
 its baseline "GaLore" in Tables II-V. Per tensor, viewed and transposed as in
 :mod:`.greedylore` (``M_i`` is ``m x n``, ``m <= n``), ``r = min(rank, m)``:

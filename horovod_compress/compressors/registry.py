@@ -24,7 +24,7 @@ def register(cls: type) -> type:
 
 
 def available() -> list[str]:
-    """Registered method names, in the order DESIGN.md lists them where known."""
+    """Registered method names, in the project's documented order (docs/choosing.md) where known."""
     order = ["none", "fp16", "bf16", "topk", "randk", "gaussiank", "topk_dsa", "gtopk",
              "oktopk", "qsgd", "global_qsgd", "arc_topk", "powersgd", "greedylore",
              "deepreduce"]

@@ -1,6 +1,7 @@
 """Bloom filter over tensor indices, and the selection policies of DeepReduce (Numba, CPU).
 
-DeepReduce's index compressor (papers/deepreduce.txt, Section 4) inserts the
+DeepReduce's index compressor ("DeepReduce: A Sparse-tensor Communication Framework for Distributed Deep Learning" (Kostopoulou et al., NeurIPS 2021),
+Section 4) inserts the
 support S (|S| = r) of a sparse vector of length n into a Bloom filter B of m
 bits with h hash functions. The receiver queries every i in [0, n) and gets the
 *positives* P = S ∪ (false positives), in ascending order.

@@ -1,7 +1,7 @@
 """Run-length encoding of a sparse tensor's bitmap, and LEB128 varints (Numba, CPU).
 
-DeepReduce's RLE index codec (papers/deepreduce.txt, Section 3 and Appendix
-11.0.1) views the support S of a sparse vector of length n as a bitmap
+DeepReduce's RLE index codec ("DeepReduce: A Sparse-tensor Communication Framework for Distributed Deep Learning" (Kostopoulou et al., NeurIPS 2021),
+Section 3 and Appendix 11.0.1) views the support S of a sparse vector of length n as a bitmap
 B in {0,1}^n (B[i] = 1 iff i in S) and encodes the bitmap as its run lengths.
 Symbols alternate, so only the lengths are needed:
 
