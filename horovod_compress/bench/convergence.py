@@ -122,12 +122,12 @@ def make_cnn(seed: int) -> Any:
 def train_once(task: str, cfg: dict[str, Any], seed: int, comm: Any, epochs: int,
                batch_size: int = 32) -> dict[str, Any]:
     """One training run on all ranks of ``comm``; returns the metrics of the module docstring."""
-    import numpy as np
     import torch
 
     from ..compressors.registry import create
     from ..torch import DistributedOptimizer, broadcast_parameters
-    from .digits import dense_bytes_per_step, evaluate, load_digits_split, make_mlp, sgd_settings
+    from .digits import (dense_bytes_per_step, evaluate, load_digits_split, make_mlp, sgd_settings,
+                         train_epoch)
 
     kwargs: dict[str, Any] = {"seed": seed}
     if cfg["feedback"] is not None:
@@ -142,24 +142,15 @@ def train_once(task: str, cfg: dict[str, Any], seed: int, comm: Any, epochs: int
     lr, momentum = sgd_settings(method, TASKS[task]["lr"], None)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum),
                                named_parameters=model.named_parameters(), compression=method, comm=comm)
-    loss_fn = torch.nn.CrossEntropyLoss()
     num_params = sum(p.numel() for p in model.parameters())
     comm.reset_stats()
     comm.comm.Barrier()
     t0 = time.perf_counter()
-    loss_sum = 0.0
+    final_loss = math.nan
     try:
         for epoch in range(epochs):
-            order = torch.from_numpy(np.random.default_rng([seed, epoch, comm.rank]).permutation(len(ys)))
-            model.train()
-            loss_sum = 0.0
-            for step in range(steps_per_epoch):
-                idx = order[step * batch_size:(step + 1) * batch_size]
-                opt.zero_grad()
-                loss = loss_fn(model(xs[idx]), ys[idx])
-                loss.backward()
-                opt.step()
-                loss_sum += float(loss.detach())
+            final_loss = train_epoch(model, opt, xs, ys, seed=seed, epoch=epoch, rank=comm.rank,
+                                     batch_size=batch_size, steps_per_epoch=steps_per_epoch)
     finally:
         opt.close()
     wall = time.perf_counter() - t0
@@ -167,7 +158,6 @@ def train_once(task: str, cfg: dict[str, Any], seed: int, comm: Any, epochs: int
     acc = evaluate(model, data)
     steps = epochs * steps_per_epoch
     sent = comm.comm.allreduce(comm.bytes_sent, op=__import__("mpi4py").MPI.MAX) / steps
-    final_loss = loss_sum / steps_per_epoch
     return {"task": task, "method": cfg["method"], "ef": cfg["ef"], "feedback": cfg["feedback_name"],
             "seed": seed, "world_size": comm.size, "epochs": epochs, "steps": steps,
             "num_params": num_params, "test_accuracy": acc,

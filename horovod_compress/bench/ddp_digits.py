@@ -10,13 +10,11 @@ start one.
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from typing import Any
 
-import numpy as np
-
-from .digits import dense_bytes_per_step, evaluate, load_digits_split, make_mlp, sgd_settings
+from .digits import (dense_bytes_per_step, evaluate, load_digits_split, make_mlp, params_digest,
+                     sgd_settings, train_epoch)
 
 
 def train_ddp_digits(method: Any = None, *, epochs: int = 10, batch_size: int = 32,
@@ -62,7 +60,6 @@ def train_ddp_digits(method: Any = None, *, epochs: int = 10, batch_size: int = 
         name = "ddp_dense"
     sgd_lr, sgd_momentum = sgd_settings(method, lr, momentum)
     opt = torch.optim.SGD(model.parameters(), lr=sgd_lr, momentum=sgd_momentum)
-    loss_fn = torch.nn.CrossEntropyLoss()
     history = []
     bar = None
     if progress and rank == 0:
@@ -70,27 +67,17 @@ def train_ddp_digits(method: Any = None, *, epochs: int = 10, batch_size: int = 
         bar = tqdm(total=epochs * steps_per_epoch, desc=label or name, unit="step", leave=False,
                    dynamic_ncols=True)
     t0 = time.perf_counter()
-    loss_sum = 0.0
     for epoch in range(epochs):
-        order = torch.from_numpy(np.random.default_rng([seed, epoch, rank]).permutation(len(ys)))
-        loss_sum = 0.0
-        model.train()
-        for step in range(steps_per_epoch):
-            idx = order[step * batch_size:(step + 1) * batch_size]
-            opt.zero_grad()
-            loss = loss_fn(model(xs[idx]), ys[idx])
-            loss.backward()
-            opt.step()
-            loss_sum += float(loss.detach())
-            if bar is not None:
-                bar.update(1)
+        train_loss = train_epoch(model, opt, xs, ys, seed=seed, epoch=epoch, rank=rank,
+                                 batch_size=batch_size, steps_per_epoch=steps_per_epoch,
+                                 on_step=None if bar is None else lambda: bar.update(1))
         acc = evaluate(model.module, data)
         done = (epoch + 1) * steps_per_epoch
         history.append({"epoch": epoch + 1, "test_accuracy": acc,
                         "bytes_sent": state.statistics()["bytes_sent"] if state is not None
                         else dense_bytes_per_step(sum(p.numel() for p in net.parameters()),
                                                   size) * done,
-                        "train_loss": loss_sum / steps_per_epoch})
+                        "train_loss": train_loss})
         if bar is not None:
             bar.set_postfix(acc=f"{acc:.3f}")
     elapsed = time.perf_counter() - t0
@@ -100,11 +87,10 @@ def train_ddp_digits(method: Any = None, *, epochs: int = 10, batch_size: int = 
     num_params = sum(p.numel() for p in net.parameters())
     dense = dense_bytes_per_step(num_params, size)
     sent = state.statistics()["bytes_sent"] / steps if state is not None else dense
-    digest = hashlib.blake2b(b"".join(p.detach().numpy().tobytes() for p in net.parameters()),
-                             digest_size=8).hexdigest()
+    digest = params_digest(net.parameters())
     return {"method": name, "config": method.config() if method is not None else
             (torch_powersgd or {}), "world_size": size, "launcher": "torchrun",
-            "test_accuracy": history[-1]["test_accuracy"], "train_loss": loss_sum / steps_per_epoch,
+            "test_accuracy": history[-1]["test_accuracy"], "train_loss": history[-1]["train_loss"],
             "history": history, "steps": steps, "num_params": num_params,
             "bytes_sent_per_step": sent, "dense_bytes_per_step": dense,
             "compression_ratio": dense / sent if sent else float("inf"),

@@ -8,6 +8,7 @@ parameters and takes the same number of steps.
 """
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,37 @@ def make_mlp(hidden: int = 128, seed: int = 0) -> Any:
         torch.nn.Linear(64, hidden), torch.nn.ReLU(),
         torch.nn.Linear(hidden, hidden), torch.nn.ReLU(),
         torch.nn.Linear(hidden, 10))
+
+
+def train_epoch(model: Any, opt: Any, xs: Any, ys: Any, *, seed: int, epoch: int, rank: int,
+                batch_size: int, steps_per_epoch: int, on_step: Any = None) -> float:
+    """One epoch of minibatch SGD on this rank's shard; returns the mean training loss.
+
+    The shard is visited in a permutation seeded by ``(seed, epoch, rank)``, so
+    every run with the same seeds sees the same batches. ``on_step()`` runs
+    after each optimizer step (a progress bar's update).
+    """
+    import torch
+    loss_fn = torch.nn.CrossEntropyLoss()
+    order = torch.from_numpy(np.random.default_rng([seed, epoch, rank]).permutation(len(ys)))
+    model.train()
+    loss_sum = 0.0
+    for step in range(steps_per_epoch):
+        idx = order[step * batch_size:(step + 1) * batch_size]
+        opt.zero_grad()
+        loss = loss_fn(model(xs[idx]), ys[idx])
+        loss.backward()
+        opt.step()
+        loss_sum += float(loss.detach())
+        if on_step is not None:
+            on_step()
+    return loss_sum / steps_per_epoch
+
+
+def params_digest(params: Any) -> str:
+    """An 8-byte BLAKE2b digest of the parameters' bytes (equal digests: bit-identical models)."""
+    return hashlib.blake2b(b"".join(p.detach().numpy().tobytes() for p in params),
+                           digest_size=8).hexdigest()
 
 
 def dense_bytes_per_step(num_params: int, world_size: int, itemsize: int = 4) -> float:
@@ -84,7 +116,6 @@ def train_digits(compression: Any = None, comm: Any = None, *, epochs: int = 30,
     ``comm_seconds_per_step``, ``wait_seconds_per_step``, ``steps`` and
     ``params_digest`` (a hash of the final parameters, equal on all ranks).
     """
-    import hashlib
 
     import torch
 
@@ -115,7 +146,6 @@ def train_digits(compression: Any = None, comm: Any = None, *, epochs: int = 30,
                                compression=method, comm=comm, overlap=overlap,
                                bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES)
     num_params = sum(p.numel() for p in model.parameters())
-    loss_fn = torch.nn.CrossEntropyLoss()
     comm.reset_stats()
     history = []
     bar = None
@@ -124,24 +154,13 @@ def train_digits(compression: Any = None, comm: Any = None, *, epochs: int = 30,
         bar = tqdm(total=epochs * steps_per_epoch, desc=label or method.name, unit="step",
                    leave=False, dynamic_ncols=True)
     t_start = time.perf_counter()
-    loss_sum = 0.0
     for epoch in range(epochs):
-        order = torch.from_numpy(np.random.default_rng([seed, epoch, comm.rank])
-                                 .permutation(len(ys)))
-        loss_sum = 0.0
-        model.train()
-        for step in range(steps_per_epoch):
-            idx = order[step * batch_size:(step + 1) * batch_size]
-            opt.zero_grad()
-            loss = loss_fn(model(xs[idx]), ys[idx])
-            loss.backward()
-            opt.step()
-            loss_sum += float(loss.detach())
-            if bar is not None:
-                bar.update(1)
+        train_loss = train_epoch(model, opt, xs, ys, seed=seed, epoch=epoch, rank=comm.rank,
+                                 batch_size=batch_size, steps_per_epoch=steps_per_epoch,
+                                 on_step=None if bar is None else lambda: bar.update(1))
         acc = evaluate(model, data)
         history.append({"epoch": epoch + 1, "test_accuracy": acc,
-                        "bytes_sent": comm.bytes_sent, "train_loss": loss_sum / steps_per_epoch})
+                        "bytes_sent": comm.bytes_sent, "train_loss": train_loss})
         if bar is not None:
             bar.set_postfix(acc=f"{acc:.3f}")
     elapsed = time.perf_counter() - t_start
@@ -150,11 +169,10 @@ def train_digits(compression: Any = None, comm: Any = None, *, epochs: int = 30,
     steps = epochs * steps_per_epoch
     sent = comm.bytes_sent / steps
     dense = dense_bytes_per_step(num_params, comm.size)
-    digest = hashlib.blake2b(b"".join(p.detach().numpy().tobytes() for p in model.parameters()),
-                             digest_size=8).hexdigest()
+    digest = params_digest(model.parameters())
     return {
         "method": method.name, "config": method.config(), "world_size": comm.size,
-        "test_accuracy": history[-1]["test_accuracy"], "train_loss": loss_sum / steps_per_epoch,
+        "test_accuracy": history[-1]["test_accuracy"], "train_loss": history[-1]["train_loss"],
         "history": history, "steps": steps, "num_params": num_params,
         "bytes_sent_per_step": sent, "bytes_received_per_step": comm.bytes_received / steps,
         "dense_bytes_per_step": dense, "compression_ratio": dense / sent if sent else float("inf"),
