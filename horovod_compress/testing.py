@@ -46,6 +46,38 @@ def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def torchrun_command(nprocs: int, script: str | Path, *args: str) -> list[str]:
+    """``torchrun`` (as ``python -m torch.distributed.run``) of ``script`` on ``nprocs`` local ranks.
+
+    A fresh free port on 127.0.0.1 for the rendezvous, so concurrent launches
+    never meet. The ranks form a ``torch.distributed`` job (gloo on CPU),
+    no MPI world.
+    """
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nprocs),
+            "--master-addr", "127.0.0.1", "--master-port", str(port), str(script), *args]
+
+
+def torchrun_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for ``torchrun`` ranks: no MPI launcher variables, one thread per rank, plus ``extra``.
+
+    The repository root goes first on ``PYTHONPATH`` so the ranks import this
+    checkout of ``horovod_compress``.
+    """
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("OMPI_", "PMI", "PMIX_", "HVDC_LAUNCHED"))}
+    env.update(OMP_NUM_THREADS="1", NUMBA_NUM_THREADS="1", PYTHONHASHSEED="0",
+               TF_CPP_MIN_LOG_LEVEL="3")
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    if extra:
+        env.update(extra)
+    return env
+
+
 def run_cases(nprocs: int, module_file: str | Path, cases: Sequence[str],
               timeout: float = 300, env: dict[str, str] | None = None) -> dict[str, dict[int, Any]]:
     """Run ``cases`` of ``module_file`` on ``nprocs`` ranks; return their results."""

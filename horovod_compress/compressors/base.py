@@ -36,6 +36,7 @@ from ..kernels.arrays import (
     to_device_like,
     to_host,
 )
+from ..runtime import world as _world
 from ..runtime.consistency import NEW_SIGNATURE, NONFINITE, agree, check_same_signature
 from ..params import check_int
 
@@ -140,7 +141,12 @@ class Method:
         identifies the tensor (or fused bucket) whose state is used, and must
         be the same on every rank. ``comm`` is a
         :class:`~horovod_compress.mpi_collectives.Communicator`.
+
+        The first call on a communicator of more than one rank installs the
+        abort-on-exception hooks (:func:`~horovod_compress.runtime.world.ensure_abort_on_exception`,
+        off with ``HVDC_ABORT_ON_EXCEPTION=0``).
         """
+        _world.ensure_abort_on_exception(comm)   # once per process; a flag test afterwards
         if is_gpu_array(grad):
             if not (self.gpu_native and is_cupy(grad)):
                 self.device_calls["staged"] += 1
