@@ -12,7 +12,9 @@ A subclass implements :meth:`Method._reduce`, which maps an input ``x_i`` to
 * ``avg``   -- what every rank receives, the method's estimate of avg_i x_i;
 * ``local`` -- the dense vector this rank's contribution actually carried,
   ``C_i(x_i)`` (e.g. its own top-k entries). Error feedback needs it:
-  EF14 keeps ``e_i = x_i - local``; EF21 tracks ``local`` as ``c_i``.
+  EF14 keeps ``e_i = x_i - local``; EF21 tracks ``local`` as ``c_i``. A method
+  may return ``None`` instead when ``self.feedback.uses_local`` is false (no
+  feedback reads it) and building it would cost a pass over the gradient.
 
 Error feedback (:mod:`horovod_compress.feedback`) wraps ``_reduce`` for biased
 methods; warm-up steps run a dense allreduce. Per-tensor state (step counter,

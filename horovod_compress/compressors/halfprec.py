@@ -39,6 +39,8 @@ class _HalfPrecision(Method):
         words = self.encode(x.reshape(-1), comm.size)
         out = comm.allreduce_custom(words, f"{self.kind}_sum")
         avg = self.decode(out).astype(x.dtype, copy=False).reshape(x.shape)
+        if not self.feedback.uses_local:    # unbiased, no feedback: skip a pass over the gradient
+            return avg, None
         local = self.decode(words, scale=comm.size).astype(x.dtype, copy=False).reshape(x.shape)
         return avg, local
 

@@ -55,20 +55,29 @@ def topk_indices(x: np.ndarray, k: int) -> np.ndarray:
 
 def exact_topk_coo(flat: np.ndarray, k: int, index_dtype: Any = np.int64,
                    out_idx: np.ndarray | None = None,
-                   out_val: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+                   out_val: np.ndarray | None = None,
+                   scratch: dict | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """Exact top-k of a flat NumPy float vector as ``(indices, values, real)`` of length k.
 
-    float32: two passes, the radix select of the k-th largest magnitude fused
-    with the packing (:func:`~horovod_compress.kernels.scatter.topk_coo_float32`);
-    float64: the radix select, then one pass emitting the entries above it and
-    the first ties (:func:`~horovod_compress.kernels.scatter.topk_coo`); then
-    ``k - real`` padding pairs ``(0, 0.0)`` when ``flat`` has fewer than k
-    nonzeros (:mod:`horovod_compress.kernels.scatter`). ``out_idx``/``out_val``
-    (length >= k) are written in place when given -- e.g. the two halves of a
-    COO message buffer.
+    Vectors of at least 2^16 entries: one read of ``flat``
+    (:func:`~horovod_compress.kernels.selection.topk_by_candidates`: a sampled
+    lower bound on the k-th largest magnitude, the entries above it collected
+    in one vectorised pass, the exact k-th largest found among those few),
+    written in ascending index order. Where the sample gives no usable bound
+    (small vectors, fewer than k nonzeros, a bound that misses) float32 takes
+    two passes, the radix select of the k-th largest magnitude fused with the
+    packing (:func:`~horovod_compress.kernels.scatter.topk_coo_float32`);
+    float64 the radix select, then one pass emitting the entries above it and
+    the first ties (:func:`~horovod_compress.kernels.scatter.topk_coo`).
+    Either way the same set: every entry above the k-th largest magnitude,
+    then the lowest-index ties. Then ``k - real`` padding pairs ``(0, 0.0)``
+    when ``flat`` has fewer than k nonzeros (:mod:`horovod_compress.kernels.scatter`).
+    ``out_idx``/``out_val`` (length >= k) are written in place when given --
+    e.g. the two halves of a COO message buffer; ``scratch`` (a dict kept by
+    the caller) holds the candidate buffers between calls.
     """
     from ..kernels.scatter import topk_coo
-    from ..kernels.selection import kth_largest_abs
+    from ..kernels.selection import kth_largest_abs, topk_by_candidates
 
     if out_idx is None:
         out_idx = np.empty(k, index_dtype)
@@ -76,6 +85,10 @@ def exact_topk_coo(flat: np.ndarray, k: int, index_dtype: Any = np.int64,
         out_val = np.empty(k, flat.dtype)
     if k <= 0:
         return out_idx[:0], out_val[:0], 0
+    if k < flat.size:
+        real = topk_by_candidates(flat, k, out_idx, out_val, scratch=scratch)
+        if real is not None:
+            return out_idx, out_val, real
     if flat.dtype == np.float32 and k <= flat.size:
         from ..kernels.scatter import topk_coo_float32   # the radix select fused with the packing
         return out_idx, out_val, topk_coo_float32(flat, k, out_idx, out_val)

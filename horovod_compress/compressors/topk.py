@@ -10,9 +10,10 @@ Volume per rank: 2k(P-1) words received (and sent, ring allgather), which
 grows linearly with P -- the problem Ok-Topk solves. Biased, so the default
 feedback is ``residual`` (EF14): what was not sent stays in e_i.
 
-CPU hot path (issue 21): the k-th largest ``|x_i|`` by a two-pass radix
-select, one pass that writes the exact top-k (above the threshold, then the
-first ties) straight into the two halves of the COO message, a compiled
+CPU hot path (issue 21): the exact top-k (above the k-th largest ``|x_i|``,
+then the first ties) in one read of x_i -- a sampled lower bound on the
+threshold, the few entries above it collected, the exact threshold found
+among them -- written straight into the two halves of the COO message, a compiled
 float32 scatter-add of the P gathered messages (scaled by 1/P per value when P
 is a power of two -- exact -- else once after the sum), and the dense
 ``local`` kept in a reused buffer whose k entries are erased next step. A
@@ -75,8 +76,8 @@ class TopkA(DensitySparsifier):
         k = k_from_density(self.name, self.density, n)
         itype = np.int32
         msg = np.empty(2 * k, np.float32)
-        idx, _val, real = exact_topk_coo(flat, k, out_idx=msg[:k].view(itype),
-                                         out_val=msg[k:])
+        idx, _val, real = exact_topk_coo(flat, k, out_idx=msg[:k].view(itype), out_val=msg[k:],
+                                         scratch=self.__dict__.setdefault("_select_scratch", {}))
         gathered = comm.allgather(msg)  # (P, 2k) words
         all_idx = np.ascontiguousarray(gathered[:, :k]).view(itype).reshape(-1)
         all_val = np.ascontiguousarray(gathered[:, k:]).reshape(-1)

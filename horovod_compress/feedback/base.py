@@ -44,6 +44,9 @@ class Feedback:
     """Base class: no memory at all (``feedback="none"``)."""
 
     name: ClassVar[str] = "none"
+    #: whether :meth:`reduce` reads the ``local`` that ``method._reduce`` returns (methods whose
+    #: ``local`` costs a pass over the gradient may return ``None`` when it does not)
+    uses_local: ClassVar[bool] = False
 
     def __init__(self, method: str = "") -> None:
         self.method = method

@@ -54,6 +54,7 @@ class EF21M(Feedback):
     """EF21M: error feedback on a momentum tracker (eqs. 11a-11c); ``eta`` in (0, 1]."""
 
     name = "ef21m"
+    uses_local = True
 
     def __init__(self, method: str = "", eta: float = 0.1) -> None:
         super().__init__(method)

@@ -30,11 +30,28 @@ class ResidualFeedback(Feedback):
     keeps ``e = x + e - C(x + e)`` (its own contribution ``C`` as the method reports it).
     """
     name = "residual"
+    uses_local = True
+
+    def __init__(self, method: str = "") -> None:
+        super().__init__(method)
+        # per tensor: the buffer of the residual before last -- next step's acc is written there
+        # (two buffers alternate, so no step allocates and faults in a fresh n-element array)
+        self._spare: dict[str, np.ndarray] = {}
 
     def reduce(self, method: Any, x: np.ndarray, name: str, comm: Any, state: dict) -> np.ndarray:
         xp = get_array_module(x)
         e = state.get("fb_residual")
-        acc = x + e if e is not None and e.shape == x.shape else x.copy()
+        if e is not None and e.shape == x.shape and e.dtype == x.dtype:
+            spare = self._spare.get(name)
+            if spare is None or spare.shape != x.shape or spare.dtype != x.dtype or \
+                    get_array_module(spare) is not xp or spare is e:
+                spare = xp.empty_like(x)
+            acc = xp.add(x, e, out=spare)
+            self._spare[name] = e           # the old residual's memory: next step's acc
+        elif e is not None and e.shape == x.shape:
+            acc = x + e
+        else:
+            acc = x.copy()
         avg, local = method._reduce(acc, name, comm, state)
         support = method.local_support(name, local) if acc.flags.c_contiguous else None
         if support is None:

@@ -92,7 +92,7 @@ import numpy as np
 
 from ..kernels import dispatch
 from ..kernels.arrays import get_array_module, to_host
-from ..kernels.selection import coo_sum, kth_largest_abs, select_by_threshold
+from ..kernels.selection import coo_sum, kth_largest_abs, select_by_threshold, select_topk
 from .coo_messages import (
     allgatherv_entries,
     as_bytes,
@@ -497,9 +497,14 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
     exact_local = first_of_period or "local_th" not in state or th <= 0.0
     # (the O(n) passes run where acc lives -- GPU kernels for a CuPy acc -- and only the
     # selected O(k) COO list comes to the host for the collectives below)
-    if exact_local:
-        th = dispatch.call("kth_largest_abs", acc, k)
-    idx, val = dispatch.call("select_by_threshold", acc, th)
+    if exact_local and isinstance(acc, np.ndarray):
+        # the threshold and the selection in one read of acc (a sampled bound, then the
+        # exact k-th largest among the few candidates above it; same result)
+        idx, val, th = select_topk(acc, k)
+    else:
+        if exact_local:
+            th = dispatch.call("kth_largest_abs", acc, k)
+        idx, val = dispatch.call("select_by_threshold", acc, th)
     local_reused = int(idx.size)
     if not exact_local and idx.size > schedule.local_guard * k:
         # the stale selection has more than k entries, so it holds the true top k: the
