@@ -17,13 +17,16 @@ from horovod_compress.compressors.greedylore import (
     left_singular_vectors,
     probe_values,
     shared_probe_values,
+    subtract_low_rank,
     working_matrix,
 )
+from horovod_compress.kernels.lowrank import add_and_probe, reconstruct
 from horovod_compress.compressors.lowrank_common import should_compress, top_indices
 from horovod_compress.testing import run_cases
 
 CASES = Path(__file__).parent / "cases" / "lowrank_cases.py"
 ALL = ["case_greedylore_reference", "case_greedylore_reference_independent",
+       "case_greedylore_fast_paths",
        "case_greedylore_unbiased", "case_greedylore_many_probes",
        "case_greedylore_error_feedback", "case_contractive", "case_bytes", "case_edge_shapes",
        "case_checkpoint"]
@@ -43,6 +46,16 @@ def test_matches_dense_reference_of_algorithm3(mpi):
         for out in res[case].values():
             assert out["worst_rel"] < 1e-4
             assert out["cols_equal"] and out["svd_exact"]
+
+
+def test_fast_paths_match_reference(mpi):
+    """The fused kernels (r <= 5), the BLAS path (r = 7), float64 and transposed tensors
+    give the reference's output and columns; ``_reduce``'s ``local`` is Q Q^T A_i."""
+    _p, res = mpi
+    for out in res["case_greedylore_fast_paths"].values():
+        assert len(out) == 6
+        for v in out.values():
+            assert v["cols_equal"] and v["worst_rel"] < v["tol"] and v["local_worst"] < v["tol"]
 
 
 def test_score_estimator_is_unbiased_proposition4(mpi):
@@ -138,6 +151,48 @@ def test_left_singular_vectors_orthonormal_and_sorted():
     assert np.allclose(u.T @ u, np.eye(5), atol=1e-5)
     energy = np.sum((u.T @ g) ** 2, axis=1)
     assert np.all(np.diff(energy) <= 1e-4)
+
+
+def test_left_singular_vectors_span_the_svd_subspaces():
+    """eigh of G G^T gives the SVD's U up to column signs: the projectors agree."""
+    rng = np.random.default_rng(3)
+    g = (rng.standard_normal((30, 50)) * np.geomspace(5.0, 0.1, 30)[:, None]).astype(np.float64)
+    u = left_singular_vectors(g)
+    u_svd = np.linalg.svd(g)[0]
+    assert np.allclose(np.abs(np.sum(u * u_svd, axis=0)), 1.0, atol=1e-8)
+    for r in (1, 4, 17):
+        assert np.allclose(u[:, :r] @ u[:, :r].T, u_svd[:, :r] @ u_svd[:, :r].T, atol=1e-8)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("probes", [1, 3])
+def test_add_and_probe_kernel(dtype, probes):
+    rng = np.random.default_rng(4)
+    m_mat = rng.standard_normal((7, 33)).astype(dtype)
+    err = rng.standard_normal((7, 33)).astype(dtype)
+    xi = rng.standard_normal((probes, 33)).astype(dtype)
+    want_a = m_mat + err
+    v = np.empty((7, probes), dtype=dtype)
+    add_and_probe(m_mat, err, xi, v)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    assert np.array_equal(err, want_a)
+    assert np.allclose(v, want_a @ xi.T, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("r", [1, 2, 3, 4, 5, 6, 9])
+def test_reconstruct_and_subtract_low_rank(dtype, r):
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((11, r)).astype(dtype)
+    c = rng.standard_normal((r, 37)).astype(dtype)
+    out = np.full((11, 37), np.nan, dtype=dtype)
+    reconstruct(q, c, out)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    assert np.allclose(out, q @ c, rtol=tol, atol=tol)
+    a = rng.standard_normal((11, 37)).astype(dtype)
+    want = a - q @ c
+    got = subtract_low_rank(a, q, c)
+    assert got is a and np.allclose(a, want, rtol=tol, atol=tol)
 
 
 def test_probe_values_are_u_j_a_xi_j():

@@ -175,7 +175,8 @@ def _reference_greedylore(all_inputs, method, name, t, state):
     else:
         u = state["U"]
         a = mats + state["E"]
-        xi = method.probes_for(name, t, m, n, np.float32).astype(np.float64)  # (k, [m,] n)
+        # the method's probes, drawn in the gradient's dtype as the method draws them: (k, [m,] n)
+        xi = method.probes_for(name, t, m, n, all_inputs.dtype).astype(np.float64)
         if xi.ndim == 2:                      # shared probes: the same xi_k for every column
             xi = np.broadcast_to(xi[:, None, :], (xi.shape[0], m, n))
         s = np.zeros((m, xi.shape[0]))
@@ -220,6 +221,45 @@ def case_greedylore_reference(comm, probe_mode="shared"):
                 cols_equal &= bool(np.array_equal(st["columns"], cols))
     assert worst < 1e-4 and cols_equal and svd_exact, (worst, cols_equal, svd_exact)
     return {"worst_rel": worst, "cols_equal": cols_equal, "svd_exact": svd_exact}
+
+
+def case_greedylore_fast_paths(comm):
+    """The fused step (Numba kernels for r <= 5, BLAS GEMMs above, float64, transposed
+    tensors) against the dense float64 reference; ``_reduce``'s ``local`` is Q Q^T A_i."""
+    out = {}
+    for dtype, tol in ((np.float32, 1e-4), (np.float64, 1e-10)):
+        for rank in (1, 5, 7):
+            method = GreedyLore(rank=rank, period=3, seed=9, min_compression_rate=0.0)
+            shapes = [(16, 24), (24, 16)]
+            refs = [dict() for _ in shapes]
+            worst, cols_equal, local_worst = 0.0, True, 0.0
+            for t in range(1, 8):
+                for k, shape in enumerate(shapes):
+                    g = lowrank_grad(shape, comm.rank, t, k, seed=4, dtype=dtype)
+                    name = f"w{k}"
+                    st = method.state.get(name)
+                    e_before = None if st is None or method.is_svd_step(t) else st["error"].copy()
+                    if t % 2 == 0 and not method.is_svd_step(t):
+                        st = method.state[name]
+                        st["t"] = st.t + 1                  # what allreduce does before _reduce
+                        res, local = method._reduce(g, name, comm, st)
+                        a = (g.T if shape[0] > shape[1] else g).astype(np.float64) + e_before
+                        q = st["U"][:, st["columns"]].astype(np.float64)
+                        want_local = q @ (q.T @ a)
+                        got_local = local.T if shape[0] > shape[1] else local
+                        local_worst = max(local_worst, rel(got_local, want_local))
+                    else:
+                        res = method.allreduce(g, name, comm)
+                    assert res.dtype == dtype and same_on_all_ranks(comm, res)
+                    est, cols = _reference_greedylore(comm.allgather(g), method, name, t, refs[k])
+                    worst = max(worst, rel(res, est))
+                    if cols is not None:
+                        cols_equal &= bool(np.array_equal(method.state[name]["columns"], cols))
+            assert worst < tol and cols_equal and local_worst < tol, \
+                (dtype.__name__, rank, worst, cols_equal, local_worst)
+            out[f"{dtype.__name__}_r{rank}"] = {"worst_rel": worst, "cols_equal": cols_equal,
+                                                 "local_worst": local_worst, "tol": tol}
+    return out
 
 
 def case_greedylore_reference_independent(comm):
