@@ -51,7 +51,7 @@ from ..kernels.arrays import as_module_array, get_array_module
 from .base import Method, TensorState
 from ..params import check_float, check_int
 from .registry import register
-from .sparse_common import check_density, k_from_density
+from .sparse_common import check_density, k_from_density, sparse_local
 
 DEFAULT_WARMUP_STEPS = 32
 
@@ -116,12 +116,13 @@ class OkTopk(Method):
         flat = x.reshape(-1)
         step = state.t - self.warmup_steps  # Algorithm 1's t: 1 at the first sparse step
         res = ok_sparse_allreduce(comm, flat, self.k_for(flat.size), step, state, self.schedule())
-        avg = xp.zeros_like(flat)
+        avg = xp.zeros(flat.shape, flat.dtype)   # (np.zeros: calloc'd pages, no clearing pass)
         avg[as_module_array(res.indices, xp)] = as_module_array(
             res.values / flat.dtype.type(comm.size), xp)
-        local = xp.zeros_like(flat)
-        involved = as_module_array(res.involved, xp)
-        local[involved] = flat[involved]
+        # this rank's contribution: acc on the entries it put into the exchange, in a reused
+        # buffer whose support EF14 reads, so the residual update is O(k), not O(n)
+        local = sparse_local(self, name, flat.size, flat.dtype,
+                             as_module_array(res.involved, xp), flat)
         return avg.reshape(x.shape), local.reshape(x.shape)
 
 
