@@ -537,6 +537,51 @@ def reduce_with_method(method: Any, comm: Any, x: np.ndarray, kind: str, key: st
     return avg
 
 
+def _factor_like(factor: float, x: np.ndarray) -> np.ndarray:
+    """``factor`` as a scalar of ``x``'s dtype when it is floating, else float64."""
+    return np.asarray(factor, dtype=x.dtype if x.dtype.kind == "f" else np.float64)
+
+
+def allreduce_scaled(method: Any, comm: Any, x: np.ndarray, kind: str, key: str | None,
+                     prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> np.ndarray:
+    """Horovod's allreduce arithmetic: ``postscale * reduce_kind(prescale * x)``.
+
+    The reduction is :func:`reduce_with_method`. Each factor multiplies in the
+    operand's dtype when it is floating and in float64 otherwise (integer
+    tensors are scaled in floating point and cast back by the front-end); a
+    factor of 1 is skipped, so the operand is not copied.
+    """
+    if prescale_factor != 1.0:
+        x = x * _factor_like(prescale_factor, x)
+    out = reduce_with_method(method, comm, x, kind, key)
+    if postscale_factor != 1.0:
+        out = out * _factor_like(postscale_factor, out)
+    return out
+
+
+def require_uncompressed_reducescatter(method: Any) -> None:
+    """Refuse a compression method for reducescatter (HorovodAdapterError naming the fix)."""
+    if method.name != "none":
+        from .horovod_compat import HorovodAdapterError
+        raise HorovodAdapterError(f"{method.name}: reducescatter with a compression method is "
+                                  "not supported; use compression=Compression.none")
+
+
+def reducescatter_scaled(comm: Any, x: np.ndarray, kind: str, prescale_factor: float = 1.0,
+                         postscale_factor: float = 1.0) -> np.ndarray:
+    """``postscale * (this rank's rows of reduce_kind(prescale * x))`` (:func:`reducescatter_rows`).
+
+    The factors multiply in the operand's own dtype (Horovod's reducescatter);
+    a factor of 1 is skipped.
+    """
+    if prescale_factor != 1.0:
+        x = x * x.dtype.type(prescale_factor)
+    out = reducescatter_rows(comm, x, kind)
+    if postscale_factor != 1.0:
+        out = out * out.dtype.type(postscale_factor)
+    return out
+
+
 def reducescatter_rows(comm: Any, x: np.ndarray, kind: str) -> np.ndarray:
     """Horovod's reducescatter: reduce over ranks, rank r keeps its block of rows.
 

@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .machine import cpu_model
+
 PROVENANCE_MARK = "<!-- hvdc:provenance -->"
 MODEL_NETWORKS = ("1gbe", "10gbe", "aries")
 
@@ -131,14 +133,7 @@ def _first_line(cmd: list[str]) -> str | None:
 
 def machine_info() -> dict[str, Any]:
     """CPU model, core count, memory, OS and Python implementation of this machine."""
-    cpu = platform.processor() or None
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model(platform.processor() or None)
     mem = None
     try:
         kb = int(re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text()).group(1))

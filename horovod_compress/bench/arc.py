@@ -37,8 +37,6 @@ Writes ``arc.md``, ``arc.json`` and ``arc.png`` into ``--out`` (benchmarks/).
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -47,6 +45,8 @@ from typing import Any
 import numpy as np
 
 from .launch import relaunch, under_mpi_launcher
+from .machine import platform_summary
+from .report_files import save_figure, write_report
 
 METHODS = ["arc_topk", "topk_rows", "randk_rows", "topk", "randk"]
 LABELS = {"arc_topk": "ARC-Top-K", "topk_rows": "Top-K rows (local, avg)",
@@ -359,10 +359,7 @@ def plot(res: dict[str, Any], path: Path) -> Path:
         ax.set_title(f"split: {split['split']}, P = {res['world_size']}, equal bytes per rank")
         ax.grid(True, axis="y", alpha=0.3)
     axes[0][0].legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -383,18 +380,11 @@ def run(args: argparse.Namespace) -> int:
     res = {"args": {k: v for k, v in vars(args).items() if k != "func"},
            "world_size": comm.size, "num_params": sum(
                int(np.prod(e["shape"])) for e in layers.values()) + _bias_count(args.seed),
-           "machine": f"{platform.machine()}, {platform.system()}, Python {platform.python_version()}",
+           "machine": platform_summary(),
            "splits": results, "volume": volume_table(layers, comm.size),
            "kernels": time_row_kernels(shapes)}
     res["seconds"] = time.perf_counter() - t0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "arc.json").write_text(json.dumps(res, indent=1))
-    report = format_report(res)
-    (out / "arc.md").write_text(report)
-    plot(res, out / "arc.png")
-    print(report)
-    print(f"wrote {out / 'arc.md'}, {out / 'arc.json'}, {out / 'arc.png'}")
+    write_report(Path(args.out), "arc", res, format_report, plot)
     return 0
 
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .launch import under_mpi_launcher
+from .report_files import save_figure
 
 #: Issue 21's ceilings at P = 2 (whole call as a multiple of the dense allreduce).
 TARGET_X_DENSE = {"fp16": 1.0, "global_qsgd": 1.0, "topk": 1.5, "oktopk": 1.5,
@@ -278,6 +279,4 @@ def plot(report: dict[str, Any], path: Path) -> None:
     ax.set_title(f"Shared memory, {report['shape']} float32, one thread per rank")
     ax.legend()
     ax.grid(True, axis="y", which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)

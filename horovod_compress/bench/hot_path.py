@@ -18,6 +18,7 @@ import os
 import time
 from pathlib import Path
 
+from .compute import parse_spec
 from .launch import relaunch, under_mpi_launcher
 
 DEFAULT_METHODS = ("topk:density=0.01,gaussiank:density=0.01,topk_dsa:density=0.01,"
@@ -36,22 +37,6 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--label", default="", help="column label in the markdown (e.g. 'after')")
     p.add_argument("--out", default="benchmarks/hot_path.md")
     p.set_defaults(func=run)
-
-
-def _parse_spec(spec: str) -> tuple[str, dict]:
-    name, _, rest = spec.partition(":")
-    params: dict = {}
-    for kv in filter(None, rest.split(";")):
-        k, _, v = kv.partition("=")
-        for conv in (int, float):
-            try:
-                params[k] = conv(v)
-                break
-            except ValueError:
-                continue
-        else:
-            params[k] = v
-    return name.strip(), params
 
 
 def _timed(comm, fn, repeat: int, warmup: int) -> float:
@@ -90,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     dense = _timed(comm, lambda: comm.allreduce(grad, op="avg"), args.repeat, args.warmup)
     rows = []
     for spec in filter(None, (s.strip() for s in args.methods.split(","))):
-        name, params = _parse_spec(spec)
+        name, params = parse_spec(spec)
         method = create(name, **params)
         t = _timed(comm, lambda: method.allreduce(grad, "g", comm), args.repeat, args.warmup)
         rows.append({"method": spec, "ms": 1e3 * t, "x_memcpy": t / memcpy, "x_dense": t / dense})

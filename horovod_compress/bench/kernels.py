@@ -32,6 +32,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .machine import cpu_model
+from .report_files import save_figure
+
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 M1 = np.uint64(0xBF58476D1CE4E5B9)
 M2 = np.uint64(0x94D049BB133111EB)
@@ -619,20 +622,11 @@ def write_plot(results: list[Result], path: Path) -> None:
     ax.set_xlabel("kernel time / memcpy time of its input bytes (log; 1 = speed of light)")
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title("CPU kernels vs memcpy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def _machine() -> str:
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_model(platform.processor() or platform.machine())
     return f"{model}, {os.cpu_count()} logical CPUs, {platform.system()}"
 
 

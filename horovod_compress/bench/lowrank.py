@@ -34,9 +34,7 @@ Writes ``lowrank.md``, ``lowrank.json`` and ``lowrank.png`` into ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -44,7 +42,10 @@ from typing import Any
 
 import numpy as np
 
+from .idle_barrier import idle_barrier
 from .launch import relaunch, under_mpi_launcher
+from .machine import platform_summary
+from .report_files import save_figure, write_report
 
 METHODS = ["greedylore", "greedylore_p8", "powersgd", "lazy_projection"]
 LABELS = {"greedylore": "GreedyLore", "greedylore_p8": "GreedyLore, 8 probes",
@@ -523,17 +524,7 @@ def plot(res: dict[str, Any], path: Path) -> Path:
     ax.legend(fontsize=7)
     for ax in axes:
         ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def _wait_quietly(comm: Any) -> None:
-    """Barrier that sleeps instead of spinning, so rank 0 can time on a free core."""
-    req = comm.comm.Ibarrier()
-    while not req.Test():
-        time.sleep(0.05)
+    return save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -547,27 +538,19 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     res = measure(args, comm)
     if comm.rank != 0:
-        _wait_quietly(comm)
+        idle_barrier(comm, 0.05)
         return 0
     captured = res.pop("captured")
     res["args"] = {k: v for k, v in vars(args).items() if k != "func"}
     res["world_size"] = comm.size
-    res["machine"] = (f"{platform.machine()}, {platform.system()}, "
-                      f"Python {platform.python_version()}")
+    res["machine"] = platform_summary()
     res["summary"] = summarize(res)
     res["words"] = words_table(res["shapes"], args.ranks, comm.size)
     res["timing"] = time_compute(captured, args.ranks, args.timing_steps, args.seed)
-    _wait_quietly(comm)
+    idle_barrier(comm, 0.05)
     res["seconds"] = time.perf_counter() - t0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     res["shapes"] = {k: list(v) for k, v in res["shapes"].items()}
-    (out / "lowrank.json").write_text(json.dumps(res, indent=1))
-    report = format_report(res)
-    (out / "lowrank.md").write_text(report)
-    plot(res, out / "lowrank.png")
-    print(report)
-    print(f"wrote {out / 'lowrank.md'}, {out / 'lowrank.json'}, {out / 'lowrank.png'}")
+    write_report(Path(args.out), "lowrank", res, format_report, plot)
     return 0
 
 

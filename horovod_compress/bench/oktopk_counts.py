@@ -29,6 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from .report_files import save_figure
+
 
 class _CountingOkTopk:
     """Wraps an Ok-Topk method: records its counts and Gaussiank's estimate at every step."""
@@ -148,9 +150,7 @@ def plot(data: dict[str, Any], summary: dict[str, Any], path: Path) -> None:
     ax.set_title(f"Ok-Topk selections, digits MLP, P = {summary['P']}")
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:

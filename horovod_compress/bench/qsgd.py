@@ -26,8 +26,6 @@ Writes ``qsgd.md``, ``qsgd.json`` and ``qsgd.png`` under ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -35,7 +33,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .idle_barrier import idle_barrier
 from .launch import relaunch, under_mpi_launcher
+from .machine import platform_summary
+from .report_files import save_figure, write_report
 
 VARIANTS = {
     "exp8": {"dithering": "exponential", "bits": 8},
@@ -251,17 +252,7 @@ def plot(res: dict[str, Any], path: Path) -> Path:
     ax.set_title(f"Global-QSGD kernels, N = {row['n']:,} float32 elements")
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
-def _idle_barrier(comm: Any) -> None:
-    """A barrier that sleeps instead of spinning, so waiting ranks leave rank 0's core alone."""
-    req = comm.comm.Ibarrier()
-    while not req.Test():
-        time.sleep(0.002)
+    return save_figure(fig, path)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -270,25 +261,17 @@ def run(args: argparse.Namespace) -> int:
     from ..mpi_collectives import Communicator
     comm = Communicator()
     res: dict[str, Any] = {"args": {k: v for k, v in vars(args).items() if k != "func"},
-                           "machine": f"{platform.machine()}, {platform.system()}, "
-                                      f"Python {platform.python_version()}",
+                           "machine": platform_summary(),
                            "world_size": comm.size, "repeat": args.repeat, "local": [],
                            "allreduce": []}
     if comm.rank == 0:
         res["local"] = [local_measurements(n, args.repeat, max(comm.size, 2)) for n in args.sizes]
-    _idle_barrier(comm)
+    idle_barrier(comm, 0.002)
     if comm.size > 1:
         res["allreduce"] = [allreduce_measurements(comm, n, args.repeat) for n in args.sizes]
     if comm.rank != 0:
         return 0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "qsgd.json").write_text(json.dumps(res, indent=1))
-    report = format_report(res)
-    (out / "qsgd.md").write_text(report)
-    plot(res, out / "qsgd.png")
-    print(report)
-    print(f"wrote {out / 'qsgd.md'}, {out / 'qsgd.json'}, {out / 'qsgd.png'}")
+    write_report(Path(args.out), "qsgd", res, format_report, plot)
     return 0
 
 

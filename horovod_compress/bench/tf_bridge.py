@@ -28,6 +28,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from .report_files import save_figure
+
 SHAPES: dict[str, list[tuple[int, ...]]] = {
     "digits MLP (6 tensors, 25k)": [(64, 128), (128,), (128, 128), (128,), (128, 10), (10,)],
     "100 tensors x 1k": [(1000,)] * 100,
@@ -169,7 +171,4 @@ def plot(rows: list[dict[str, Any]], path: Path, world: int) -> Path:
     ax.set_title(f"TensorFlow <-> NumPy bridge, method none, {world} rank(s)")
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

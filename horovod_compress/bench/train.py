@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .launch import relaunch, under_mpi_launcher
+from .report_files import save_figure
 
 # Per-method demo settings where a method's library default is not what the
 # demo should show (all others run with their defaults).
@@ -175,7 +176,4 @@ def plot_accuracy_vs_bytes(results: list[dict[str, Any]], path: Path) -> Path:
     ax.set_title(f"digits MLP, {results[0]['world_size']} ranks")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

@@ -24,6 +24,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .report_files import save_figure
+
 METHODS = ["none", "topk", "topk_dsa", "gtopk", "gaussiank", "oktopk"]
 LABELS = {"none": "Dense", "topk": "TopkA", "topk_dsa": "TopkDSA", "gtopk": "gTopk",
           "gaussiank": "Gaussiank", "oktopk": "Ok-Topk"}
@@ -196,9 +198,7 @@ def plot(measured: dict[int, Any], args: argparse.Namespace, path: Path) -> None
     ax.set_title(f"Sparse allreduce volume, digits MLP (n={n}, k={k}); dashed: Table 1")
     ax.legend(fontsize=8, ncol=2)
     ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 
 from .base import TensorState
+from .local_topk import sorted_local_topk
 from .registry import register
-from .sparse_common import DensitySparsifier, k_from_density, sparse_local, topk_indices
+from .sparse_common import DensitySparsifier, sparse_local
 
 
 @register
@@ -34,12 +35,9 @@ class TopkDSA(DensitySparsifier):
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
                 state: TensorState) -> tuple[np.ndarray, np.ndarray]:
         # imported here: importing the package must not start MPI
-        from ..mpi_collectives.coo_messages import check_index_range
         from ..mpi_collectives.sparse_allreduce_baselines import dsa_allreduce
 
-        flat = x.reshape(-1)
-        check_index_range(flat.size, self.name)
-        idx = np.sort(topk_indices(flat, k_from_density(self.name, self.density, flat.size)))
+        flat, idx, _ = sorted_local_topk(self, x)
         total, info = dsa_allreduce(comm, idx, flat[idx], flat.size)
         state["fill_in"] = int(info["nnz"])
         avg = total / flat.dtype.type(comm.size)

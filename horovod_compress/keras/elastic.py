@@ -25,12 +25,19 @@ def run(func: Callable) -> Callable:
     return _run_fn(func, lambda: None)
 
 
-class CommitStateCallback(keras.callbacks.Callback):
+class _StateCallback(keras.callbacks.Callback):
+    """A Keras callback that updates the elastic ``state`` it is given."""
+
+    def __init__(self, state: Any) -> None:
+        super().__init__()
+        self.state = state
+
+
+class CommitStateCallback(_StateCallback):
     """Commit ``state`` every ``batches_per_commit`` batches and at each epoch's end."""
 
     def __init__(self, state: Any, batches_per_commit: int = 1) -> None:
-        super().__init__()
-        self.state = state
+        super().__init__(state)
         self.batches_per_commit = int(batches_per_commit)
         self.batches_remaining = self.batches_per_commit
 
@@ -45,12 +52,8 @@ class CommitStateCallback(keras.callbacks.Callback):
         self.batches_remaining = self.batches_per_commit
 
 
-class UpdateBatchStateCallback(keras.callbacks.Callback):
+class UpdateBatchStateCallback(_StateCallback):
     """Keep ``state.batch`` at the number of batches done in the epoch."""
-
-    def __init__(self, state: Any) -> None:
-        super().__init__()
-        self.state = state
 
     def on_train_batch_end(self, batch: int, logs: dict | None = None) -> None:
         self.state.batch = batch + 1
@@ -59,12 +62,8 @@ class UpdateBatchStateCallback(keras.callbacks.Callback):
         self.state.batch = 0
 
 
-class UpdateEpochStateCallback(keras.callbacks.Callback):
+class UpdateEpochStateCallback(_StateCallback):
     """Keep ``state.epoch`` at the number of epochs done."""
-
-    def __init__(self, state: Any) -> None:
-        super().__init__()
-        self.state = state
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         self.state.epoch = epoch + 1

@@ -49,6 +49,15 @@ def _first_probe(index: int, m: int, seed: np.uint64) -> tuple:
 
 
 @njit(cache=True)
+def _next_probe(q: int, step: int, m: int) -> int:
+    """h_(j+1) = (h_j + (b mod m)) mod m from h_j: one conditional subtraction (q, step < m)."""
+    q += step
+    if q >= m:
+        q -= m
+    return q
+
+
+@njit(cache=True)
 def bloom_positions(indices: np.ndarray, m: int, h: int, seed: np.uint64) -> np.ndarray:
     """Bit positions ``pos[t, j] = h_j(indices[t])`` as an int64 array of shape (len, h)."""
     out = np.empty((indices.size, h), np.int64)
@@ -56,9 +65,7 @@ def bloom_positions(indices: np.ndarray, m: int, h: int, seed: np.uint64) -> np.
         q, step = _first_probe(indices[t], m, seed)
         for j in range(h):
             out[t, j] = q
-            q += step
-            if q >= m:
-                q -= m
+            q = _next_probe(q, step, m)
     return out
 
 
@@ -70,9 +77,7 @@ def bloom_insert(indices: np.ndarray, m: int, h: int, seed: np.uint64) -> np.nda
         q, step = _first_probe(indices[t], m, seed)
         for j in range(h):
             bits[q >> 3] |= np.uint8(1 << (q & 7))
-            q += step
-            if q >= m:
-                q -= m
+            q = _next_probe(q, step, m)
     return bits
 
 
@@ -82,9 +87,7 @@ def _is_positive(bits: np.ndarray, m: int, h: int, seed: np.uint64, i: int) -> b
     for j in range(h):
         if (bits[q >> 3] >> (q & 7)) & 1 == 0:
             return False
-        q += step
-        if q >= m:
-            q -= m
+        q = _next_probe(q, step, m)
     return True
 
 

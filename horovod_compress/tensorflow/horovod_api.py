@@ -210,12 +210,7 @@ def allreduce(tensor: Any, average: Any = None, device_dense: str = "", device_s
     shape = value.shape
 
     def run(x: np.ndarray) -> list[np.ndarray]:
-        if prescale_factor != 1.0:
-            x = x * np.asarray(prescale_factor, dtype=x.dtype if x.dtype.kind == "f" else np.float64)
-        out = hb.reduce_with_method(method, comm, x, kind, name)
-        if postscale_factor != 1.0:
-            out = out * np.asarray(postscale_factor, dtype=out.dtype if out.dtype.kind == "f"
-                                   else np.float64)
+        out = hb.allreduce_scaled(method, comm, x, kind, name, prescale_factor, postscale_factor)
         return [np.ascontiguousarray(np.asarray(out).reshape(x.shape), dtype=x.dtype)]
 
     (out,) = numpy_call(run, [value], [value.dtype], [shape], name="hvdc_allreduce",
@@ -345,22 +340,14 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
                   process_set: Any = global_process_set, ignore_name_scope: bool = False,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> tf.Tensor:
     """Reduce over ranks; keep this rank's block of rows (the first ``n % P`` ranks one more)."""
-    method = as_method(compression)
-    if method.name != "none":
-        from ..horovod_compat import HorovodAdapterError
-        raise HorovodAdapterError(f"{method.name}: reducescatter with a compression method is "
-                                  "not supported; use compression=Compression.none")
+    hb.require_uncompressed_reducescatter(as_method(compression))
     comm = _comm(process_set)
     kind = hb.op_kind(op)
     value = _wire(tensor)
     dtype = tf.as_dtype(tensor.dtype)
 
     def run(x: np.ndarray) -> list[np.ndarray]:
-        if prescale_factor != 1.0:
-            x = x * x.dtype.type(prescale_factor)
-        out = hb.reducescatter_rows(comm, x, kind)
-        if postscale_factor != 1.0:
-            out = out * out.dtype.type(postscale_factor)
+        out = hb.reducescatter_scaled(comm, x, kind, prescale_factor, postscale_factor)
         return [out.astype(x.dtype, copy=False)]
 
     (out,) = _py(run, [value], [value.dtype], [tf.TensorShape([None]).concatenate(value.shape[1:])])

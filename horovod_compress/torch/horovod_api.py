@@ -148,13 +148,8 @@ def allreduce(tensor: torch.Tensor, average: Any = None, name: str | None = None
     kind = hb.op_kind(op, average)
     method = as_method(compression)
     comm = _comm(process_set)
-    x = _host(tensor)
-    if prescale_factor != 1.0:
-        x = x * np.asarray(prescale_factor, dtype=x.dtype if x.dtype.kind == "f" else np.float64)
-    out = hb.reduce_with_method(method, comm, x, kind, name)
-    if postscale_factor != 1.0:
-        out = out * np.asarray(postscale_factor, dtype=out.dtype if out.dtype.kind == "f"
-                               else np.float64)
+    out = hb.allreduce_scaled(method, comm, _host(tensor), kind, name, prescale_factor,
+                              postscale_factor)
     return _like(np.asarray(out).reshape(tuple(tensor.shape)), tensor)
 
 
@@ -341,17 +336,9 @@ def reducescatter(tensor: torch.Tensor, name: str | None = None,
                   process_set: Any = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> torch.Tensor:
     """Reduce over ranks and keep this rank's block of rows (the first ``n % P`` ranks one more)."""
-    method = as_method(compression)
-    if method.name != "none":
-        from ..horovod_compat import HorovodAdapterError
-        raise HorovodAdapterError(f"{method.name}: reducescatter with a compression method is "
-                                  "not supported; use compression=Compression.none")
-    x = _host(tensor)
-    if prescale_factor != 1.0:
-        x = x * x.dtype.type(prescale_factor)
-    out = hb.reducescatter_rows(_comm(process_set), x, hb.op_kind(op))
-    if postscale_factor != 1.0:
-        out = out * out.dtype.type(postscale_factor)
+    hb.require_uncompressed_reducescatter(as_method(compression))
+    out = hb.reducescatter_scaled(_comm(process_set), _host(tensor), hb.op_kind(op),
+                                  prescale_factor, postscale_factor)
     return torch.from_numpy(np.ascontiguousarray(out)).to(device=tensor.device, dtype=tensor.dtype)
 
 

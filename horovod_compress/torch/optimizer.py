@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -34,6 +34,17 @@ from .tensors import copy_into, numpy_dtype_name, to_array
 _ARRAY_KEY = "__hvdc_ndarray__"
 
 
+def _map_items(fn: Callable[[Any], Any], obj: Any) -> Any:
+    """A dict, list or tuple of the same keys with ``fn`` of each value; any other ``obj`` as is."""
+    if isinstance(obj, dict):
+        return {k: fn(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [fn(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(fn(v) for v in obj)
+    return obj
+
+
 def to_safe_state(obj: Any) -> Any:
     """``obj`` with every NumPy array or scalar replaced by a ``weights_only``-loadable dict.
 
@@ -47,13 +58,7 @@ def to_safe_state(obj: Any) -> Any:
         raw = arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
         return {_ARRAY_KEY: arr.dtype.str, "shape": list(arr.shape),
                 "scalar": isinstance(obj, np.generic), "data": torch.from_numpy(raw)}
-    if isinstance(obj, dict):
-        return {k: to_safe_state(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [to_safe_state(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(to_safe_state(v) for v in obj)
-    return obj
+    return _map_items(to_safe_state, obj)
 
 
 def from_safe_state(obj: Any) -> Any:
@@ -65,12 +70,7 @@ def from_safe_state(obj: Any) -> Any:
             raw = data.numpy() if isinstance(data, torch.Tensor) else np.asarray(data, np.uint8)
             arr = np.frombuffer(raw.tobytes(), dtype=dtype).reshape(obj["shape"]).copy()
             return arr[()] if obj.get("scalar") else arr
-        return {k: from_safe_state(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [from_safe_state(v) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(from_safe_state(v) for v in obj)
-    return obj
+    return _map_items(from_safe_state, obj)
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):

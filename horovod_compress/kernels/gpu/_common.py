@@ -108,6 +108,12 @@ def blocks_for(n: int) -> int:
     return max(1, min(MAX_BLOCKS, (int(n) + TPB - 1) // TPB))
 
 
+def launch(kernel: Any, n: int, *args: Any) -> None:
+    """Run the grid-stride ``kernel(*args)`` over ``n`` items (:func:`blocks_for`); nothing when n = 0."""
+    if n:
+        kernel[blocks_for(n), TPB](*args)
+
+
 def chunking(n: int) -> tuple[int, int]:
     """(blocks, chunk): contiguous chunks of a multiple of TILE items, one per block."""
     nb = max(1, min(MAX_BLOCKS, (int(n) + TILE - 1) // TILE))
@@ -139,15 +145,33 @@ def _fill_kernel(a, value):
         i += stride
 
 
-def fill(a: Any, value: Any) -> None:
-    """a[:] = value for a contiguous device array of any shape."""
+def _with_scalar_inplace(a: Any, scalar: Any, kernel: Any, cupy_op: Callable) -> None:
+    """Run an in-place element-wise ``kernel(a_flat, scalar)`` on a contiguous device array.
+
+    ``scalar`` is converted to ``a``'s dtype first; CuPy arrays use
+    ``cupy_op(a, scalar)`` instead of the Numba kernel; an empty ``a`` is left alone.
+    """
     if a.size == 0:
         return
+    s = a.dtype.type(scalar)
     if is_cupy(a):
-        a.fill(value)
+        cupy_op(a, s)
         return
     v = a.reshape(a.size)
-    _fill_kernel[blocks_for(v.size), TPB](v, v.dtype.type(value))
+    kernel[blocks_for(v.size), TPB](v, s)
+
+
+def _cupy_fill(a: Any, value: Any) -> None:
+    a.fill(value)
+
+
+def _cupy_divide(a: Any, divisor: Any) -> None:
+    a /= divisor
+
+
+def fill(a: Any, value: Any) -> None:
+    """a[:] = value for a contiguous device array of any shape."""
+    _with_scalar_inplace(a, value, _fill_kernel, _cupy_fill)
 
 
 @cuda.jit
@@ -161,13 +185,7 @@ def _divide_kernel(a, d):
 
 def divide_inplace(a: Any, divisor: Any) -> None:
     """a[:] /= divisor on the device (in a's dtype), for a contiguous array of any shape."""
-    if a.size == 0:
-        return
-    if is_cupy(a):
-        a /= a.dtype.type(divisor)
-        return
-    v = a.reshape(a.size)
-    _divide_kernel[blocks_for(v.size), TPB](v, v.dtype.type(divisor))
+    _with_scalar_inplace(a, divisor, _divide_kernel, _cupy_divide)
 
 
 @cuda.jit
@@ -182,8 +200,7 @@ def _cast_kernel(src, dst):
 def cast(x: Any, dtype: Any) -> Any:
     """A 1-D copy of ``x`` converted to ``dtype`` on the device (C casting rules)."""
     out = empty(x, x.size, dtype)
-    if x.size:
-        _cast_kernel[blocks_for(x.size), TPB](x, out)
+    launch(_cast_kernel, x.size, x, out)
     return out
 
 
@@ -232,6 +249,28 @@ def _chunk_offsets(counts_dev: Any) -> tuple[np.ndarray, int]:
     return offsets, int(counts.sum())
 
 
+def chunk_sums_kernel(weight: Callable) -> Any:
+    """A kernel ``(n, chunk, a0, a1, a2, a3, sums)``: ``sums[b]`` = sum of ``weight(a0..a3, i)``
+    over block b's chunk of [0, n) (int64; pass 1 of the compaction and of the scan)."""
+    @cuda.jit
+    def kernel(n, chunk, a0, a1, a2, a3, sums):
+        sh = cuda.shared.array(TPB, int64)
+        t = cuda.threadIdx.x
+        b = cuda.blockIdx.x
+        start = b * chunk
+        stop = min(start + chunk, n)
+        s = int64(0)
+        i = start + t
+        while i < stop:
+            s += weight(a0, a1, a2, a3, i)
+            i += TPB
+        total = block_sum(sh, t, s)
+        if t == 0:
+            sums[b] = total
+
+    return kernel
+
+
 class Compactor:
     """Ordered compaction for one predicate ``pred(a0, a1, a2, a3, i) -> bool``.
 
@@ -241,22 +280,9 @@ class Compactor:
     """
 
     def __init__(self, pred: Callable) -> None:
-        @cuda.jit
-        def count_kernel(n, chunk, a0, a1, a2, a3, counts):
-            sh = cuda.shared.array(TPB, int64)
-            t = cuda.threadIdx.x
-            b = cuda.blockIdx.x
-            start = b * chunk
-            stop = min(start + chunk, n)
-            c = 0
-            i = start + t
-            while i < stop:
-                if pred(a0, a1, a2, a3, i):
-                    c += 1
-                i += TPB
-            total = block_sum(sh, t, c)
-            if t == 0:
-                counts[b] = total
+        @cuda.jit(device=True)
+        def hit(a0, a1, a2, a3, i):
+            return int64(1) if pred(a0, a1, a2, a3, i) else int64(0)
 
         @cuda.jit
         def write_kernel(n, chunk, a0, a1, a2, a3, offsets, out):
@@ -285,7 +311,7 @@ class Compactor:
                 base += total
                 tile += TILE
 
-        self._count = count_kernel
+        self._count = chunk_sums_kernel(hit)
         self._write = write_kernel
 
     def _counts(self, n: int, a0: Any, a1: Any, a2: Any, a3: Any, like: Any) -> tuple[Any, int, int]:
@@ -311,21 +337,12 @@ class Compactor:
         return out
 
 
-@cuda.jit
-def _chunk_sums_kernel(vals, n, chunk, sums):
-    sh = cuda.shared.array(TPB, int64)
-    t = cuda.threadIdx.x
-    b = cuda.blockIdx.x
-    start = b * chunk
-    stop = min(start + chunk, n)
-    s = 0
-    i = start + t
-    while i < stop:
-        s += int64(vals[i])
-        i += TPB
-    total = block_sum(sh, t, s)
-    if t == 0:
-        sums[b] = total
+@cuda.jit(device=True)
+def _value(vals, a1, a2, a3, i):
+    return int64(vals[i])
+
+
+_chunk_sums_kernel = chunk_sums_kernel(_value)
 
 
 @cuda.jit
@@ -360,7 +377,7 @@ def exclusive_scan(vals: Any) -> tuple[Any, int]:
         return out, 0
     nb, chunk = chunking(n)
     sums = empty(vals, nb, np.int64)
-    _chunk_sums_kernel[nb, TPB](vals, n, chunk, sums)
+    _chunk_sums_kernel[nb, TPB](n, chunk, vals, 0, 0, 0, sums)
     offsets, total = _chunk_offsets(sums)
     _chunk_scan_kernel[nb, TPB](vals, n, chunk, to_device(offsets, vals), out)
     return out, total
@@ -416,8 +433,7 @@ def _gather_kernel(src, idx, out):
 def gather(src: Any, idx: Any, dtype: Any = None) -> Any:
     """out[j] = src[idx[j]] (1-D), in ``dtype`` (default: src's)."""
     out = empty(src, idx.size, dtype if dtype is not None else src.dtype)
-    if idx.size:
-        _gather_kernel[blocks_for(idx.size), TPB](src, idx, out)
+    launch(_gather_kernel, idx.size, src, idx, out)
     return out
 
 

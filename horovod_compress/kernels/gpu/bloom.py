@@ -29,6 +29,7 @@ from ._common import (
     empty,
     flat,
     guard_simulator_globals,
+    launch,
     zeros,
 )
 from .rng import GOLDEN, splitmix64
@@ -43,6 +44,15 @@ def _first_probe(i, m, seed):
     return np.int64(a % mm), np.int64(b % mm)
 
 
+@cuda.jit(device=True)
+def _next_probe(q, step, m):
+    """h_(j+1) = (h_j + (b mod m)) mod m from h_j: one conditional subtraction (q, step < m)."""
+    q += step
+    if q >= m:
+        q -= m
+    return q
+
+
 @cuda.jit
 def _positions_kernel(indices, m, h, seed, out):
     t = cuda.grid(1)
@@ -51,9 +61,7 @@ def _positions_kernel(indices, m, h, seed, out):
         q, step = _first_probe(indices[t], m, seed)
         for j in range(h):
             out[t, j] = q
-            q += step
-            if q >= m:
-                q -= m
+            q = _next_probe(q, step, m)
         t += stride
 
 
@@ -75,9 +83,7 @@ def _insert_kernel(indices, m, h, seed, words):
         q, step = _first_probe(indices[t], m, seed)
         for j in range(h):
             cuda.atomic.or_(words, q >> 5, np.uint32(np.uint32(1) << np.uint32(q & 31)))
-            q += step
-            if q >= m:
-                q -= m
+            q = _next_probe(q, step, m)
         t += stride
 
 
@@ -99,8 +105,7 @@ def bloom_insert(indices: Any, m: int, h: int, seed: int) -> Any:
         _insert_kernel[blocks_for(indices.size), TPB](indices, np.int64(m), np.int64(h),
                                                       np.uint64(seed), words)
     out = empty(indices, nbytes, np.uint8)
-    if nbytes:
-        _words_to_bytes_kernel[blocks_for(nbytes), TPB](words, out)
+    launch(_words_to_bytes_kernel, nbytes, words, out)
     return out
 
 
@@ -110,9 +115,7 @@ def _is_positive(bits, m, h, seed, i):
     for j in range(h):
         if (np.int64(bits[q >> 3]) >> (q & 7)) & 1 == 0:
             return False
-        q += step
-        if q >= m:
-            q -= m
+        q = _next_probe(q, step, m)
     return True
 
 

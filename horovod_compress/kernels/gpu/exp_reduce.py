@@ -19,10 +19,10 @@ from numba import cuda, int64
 from ._common import (
     TPB,
     block_sum,
-    blocks_for,
     empty,
     flat,
     guard_simulator_globals,
+    launch,
     to_host,
     zeros,
 )
@@ -54,6 +54,21 @@ def exp_reduce_pair(c1, c2, r, sign_shift):
     return e | (negative << sign_shift), saturated
 
 
+@cuda.jit(device=True)
+def _add_block_sum(sh, v, sat):
+    """sat[0] += the block's sum of ``v``: one atomic add per block, none when the sum is 0.
+
+    Every thread must call it (``sh``: shared int64 array of TPB). Kept in this
+    module, beside the kernels that call it: the CUDA simulator swaps a device
+    function's ``cuda`` global while one thread runs it, and restores it when
+    that thread returns, so a function of another module must not touch
+    ``cuda`` after its last ``syncthreads``.
+    """
+    total = block_sum(sh, cuda.threadIdx.x, v)
+    if cuda.threadIdx.x == 0 and total != 0:
+        cuda.atomic.add(sat, 0, total)
+
+
 @cuda.jit
 def _reduce8_kernel(a, b, out, key, counter, sat):
     sh = cuda.shared.array(TPB, int64)
@@ -66,9 +81,7 @@ def _reduce8_kernel(a, b, out, key, counter, sat):
         out[i] = np.uint8(c)
         s += z
         i += stride
-    total = block_sum(sh, cuda.threadIdx.x, s)
-    if cuda.threadIdx.x == 0 and total != 0:
-        cuda.atomic.add(sat, 0, total)
+    _add_block_sum(sh, s, sat)
 
 
 @cuda.jit
@@ -87,9 +100,7 @@ def _reduce4_kernel(a, b, out, key, counter, sat):
         out[i] = np.uint8(lo | (hi << 4))
         s += s0 + s1
         i += stride
-    total = block_sum(sh, cuda.threadIdx.x, s)
-    if cuda.threadIdx.x == 0 and total != 0:
-        cuda.atomic.add(sat, 0, total)
+    _add_block_sum(sh, s, sat)
 
 
 @cuda.jit
@@ -103,15 +114,12 @@ def _reduce_codes_kernel(a, b, r, sign_shift, out, sat):
         out[i] = c
         s += z
         i += stride
-    total = block_sum(sh, cuda.threadIdx.x, s)
-    if cuda.threadIdx.x == 0 and total != 0:
-        cuda.atomic.add(sat, 0, total)
+    _add_block_sum(sh, s, sat)
 
 
 def _launch(kernel, n: int, like: Any, *args: Any) -> int:
     sat = zeros(like, 1, np.int64)
-    if n:
-        kernel[blocks_for(n), TPB](*args, sat)
+    launch(kernel, n, *args, sat)
     return int(to_host(sat)[0])
 
 

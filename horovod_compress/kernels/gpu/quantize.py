@@ -22,7 +22,7 @@ import numpy as np
 from numba import cuda
 
 from ..quantize import exp_code_layout
-from ._common import TPB, blocks_for, empty, flat, guard_simulator_globals, ldexp
+from ._common import empty, flat, guard_simulator_globals, launch, ldexp
 from .rng import random_uniform
 
 
@@ -50,9 +50,8 @@ def linear_quantize_kernel(x, scale, levels, key, out):
 
 def linear_quantize_into(x: Any, scale: float, levels: int, key: int, out: Any) -> None:
     """out[i] = sign(x[i]) * xi(|x[i]| * scale * levels) with uniform i of stream ``key``."""
-    if x.size:
-        linear_quantize_kernel[blocks_for(x.size), TPB](x, np.float64(scale), np.int64(levels),
-                                                        np.uint64(key), out)
+    launch(linear_quantize_kernel, x.size, x, np.float64(scale), np.int64(levels),
+           np.uint64(key), out)
 
 
 def linear_quantize(x: Any, scale: float, levels: int, key: int) -> Any:
@@ -79,8 +78,7 @@ def linear_dequantize(q: Any, scale: float, dtype: Any = np.float32) -> Any:
     """Floats ``q * scale`` in ``dtype``."""
     q = flat(q, "q")
     out = empty(q, q.size, dtype)
-    if q.size:
-        linear_dequantize_kernel[blocks_for(q.size), TPB](q, np.float64(scale), out)
+    launch(linear_dequantize_kernel, q.size, q, np.float64(scale), out)
     return out
 
 
@@ -116,9 +114,8 @@ def exp_quantize(x: Any, scale: float, bits: int, key: int) -> Any:
     sign_shift, emax = exp_code_layout(bits)
     x = flat(x)
     out = empty(x, x.size, np.uint8)
-    if x.size:
-        exp_quantize_kernel[blocks_for(x.size), TPB](x, np.float64(scale), np.int64(emax),
-                                                     np.int64(sign_shift), np.uint64(key), out)
+    launch(exp_quantize_kernel, x.size, x, np.float64(scale), np.int64(emax),
+           np.int64(sign_shift), np.uint64(key), out)
     return out
 
 
@@ -145,9 +142,8 @@ def exp_dequantize(codes: Any, scale: float, bits: int, dtype: Any = np.float32)
     sign_shift, _ = exp_code_layout(bits)
     codes = flat(codes, "codes")
     out = empty(codes, codes.size, dtype)
-    if codes.size:
-        exp_dequantize_kernel[blocks_for(codes.size), TPB](codes, np.float64(scale),
-                                                           np.int64(sign_shift), out)
+    launch(exp_dequantize_kernel, codes.size, codes, np.float64(scale),
+           np.int64(sign_shift), out)
     return out
 
 
@@ -171,8 +167,7 @@ def pack_nibbles(codes: Any) -> Any:
     """Two 4-bit codes per byte, element 2j in the low nibble (int8 levels keep two's complement)."""
     codes = flat(codes, "codes")
     out = empty(codes, (codes.size + 1) // 2, np.uint8)
-    if out.size:
-        pack_nibbles_kernel[blocks_for(out.size), TPB](codes, out)
+    launch(pack_nibbles_kernel, out.size, codes, out)
     return out
 
 
@@ -196,8 +191,7 @@ def unpack_nibbles(packed: Any, n: int, signed: bool = False) -> Any:
     if n > 2 * packed.size:
         raise ValueError(f"n must be at most 2 * len(packed) = {2 * packed.size}, got {n}")
     out = empty(packed, int(n), np.int8 if signed else np.uint8)
-    if n:
-        unpack_nibbles_kernel[blocks_for(n), TPB](packed, bool(signed), out)
+    launch(unpack_nibbles_kernel, n, packed, bool(signed), out)
     return out
 
 
@@ -217,8 +211,7 @@ def nibble_add_into(a: Any, b: Any, out: Any) -> None:
     """Lane-wise sum modulo 16 of two signed 4-bit lanes per byte (SWAR); ``out`` may alias."""
     if a.size != b.size or out.size != a.size:
         raise ValueError(f"a, b and out must have the same length, got {a.size}, {b.size}, {out.size}")
-    if a.size:
-        nibble_add_kernel[blocks_for(a.size), TPB](a, b, out)
+    launch(nibble_add_kernel, a.size, a, b, out)
 
 
 __all__ = ["exp_dequantize", "exp_quantize", "linear_dequantize", "linear_quantize",

@@ -33,6 +33,7 @@ from ._common import (
     exclusive_scan,
     flat,
     guard_simulator_globals,
+    launch,
     to_device,
     to_host,
     zeros,
@@ -228,12 +229,10 @@ def varint_decode(buf: Any, count: int) -> tuple[Any, int, int]:
     ends = _TERMINATORS.indices(nbuf, buf, 0, 0, 0, buf)
     have = min(count, int(ends.size))
     bad = to_device(np.array([count], np.int64), buf)
-    if have:
-        _first_long_kernel[blocks_for(have), TPB](ends, np.int64(have), bad)
+    launch(_first_long_kernel, have, ends, np.int64(have), bad)
     first_bad = min(int(to_host(bad)[0]), have if have < count else count)
     out = empty(buf, first_bad, np.int64)
-    if first_bad:
-        _varint_decode_kernel[blocks_for(first_bad), TPB](buf, ends, np.int64(first_bad), out)
+    launch(_varint_decode_kernel, first_bad, buf, ends, np.int64(first_bad), out)
     if first_bad == count:
         used = int(to_host(ends[count - 1:count])[0]) + 1 if count else 0
         return out, used, OK

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from ._common import TPB, blocks_for, empty, guard_simulator_globals
+from ._common import empty, guard_simulator_globals, launch
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -60,16 +60,14 @@ def _uniforms_kernel(key, start, out):
 def random_words(key: int, start: int, n: int, like=None):
     """Words ``start .. start+n-1`` of stream ``key`` as a uint64 device array."""
     out = empty(like, int(n), np.uint64)
-    if n:
-        _words_kernel[blocks_for(n), TPB](np.uint64(key), np.uint64(start), out)
+    launch(_words_kernel, n, np.uint64(key), np.uint64(start), out)
     return out
 
 
 def random_uniforms(key: int, start: int, n: int, like=None):
     """Uniforms ``start .. start+n-1`` of stream ``key`` as a float64 device array."""
     out = empty(like, int(n), np.float64)
-    if n:
-        _uniforms_kernel[blocks_for(n), TPB](np.uint64(key), np.uint64(start), out)
+    launch(_uniforms_kernel, n, np.uint64(key), np.uint64(start), out)
     return out
 
 

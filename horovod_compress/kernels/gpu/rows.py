@@ -27,6 +27,7 @@ from ._common import (
     flat,
     guard_simulator_globals,
     is_device_array,
+    launch,
 )
 
 
@@ -55,8 +56,7 @@ def gather_rows(mat: Any, rows: Any) -> Any:
     mat = _matrix(mat, "mat")
     rows = flat(rows, "rows")
     out = empty(mat, (rows.size, mat.shape[1]), mat.dtype)
-    if out.size:
-        _gather_kernel[blocks_for(out.size), TPB](mat, rows, out)
+    launch(_gather_kernel, out.size, mat, rows, out)
     return out
 
 
@@ -80,8 +80,7 @@ def scatter_rows(block: Any, rows: Any, m: int, out: Any = None) -> Any:
     if out is None:
         out = empty(block, (int(m), n), block.dtype)
     fill(out, 0)
-    if block.size:
-        _scatter_kernel[blocks_for(block.size), TPB](block, rows, out)
+    launch(_scatter_kernel, block.size, block, rows, out)
     return out
 
 

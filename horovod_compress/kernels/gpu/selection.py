@@ -44,6 +44,7 @@ from ._common import (
     gather,
     guard_simulator_globals,
     int_min_max,
+    launch,
     to_device,
     to_host,
     zeros,
@@ -268,8 +269,7 @@ def coo_sum(indices: Any, values: Any) -> tuple[Any, Any]:
     _slot_kernel[nb, TPB](idx, cursor, members)
     uniq = _PRESENT.indices(span, counts, 0, 0, 0, idx)
     out_val = empty(idx, uniq.size, np.float64)
-    if uniq.size:
-        _segment_sum_kernel[blocks_for(uniq.size), TPB](uniq, counts, cursor, members, val, out_val)
+    launch(_segment_sum_kernel, uniq.size, uniq, counts, cursor, members, val, out_val)
     return uniq, out_val
 
 
