@@ -97,3 +97,25 @@ def test_tracker_algebra_without_mpi():
     st2 = {"fb_g": np.zeros(3, np.float32)}             # a shape change resets the trackers
     fb.reduce(_Echo(), x1, "w", None, st2)
     assert st2["fb_g"].shape == (2,)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("eta", [None, 0.1, 0.37])
+def test_fused_passes_are_bit_identical_to_numpy(dtype, eta):
+    """kernels/feedback.py: (11a) + h - g, then (11b) + (11c) + copy, equal the NumPy expressions bit for bit."""
+    from horovod_compress.kernels.feedback import fusable, momentum_diff, track_and_copy
+    rng = np.random.default_rng(5)
+    x, h, g, big_g, c, avg_c = (rng.standard_normal((37, 53)).astype(dtype) for _ in range(6))
+    assert fusable(x, h, g, big_g) and not fusable(x, h.T) and not fusable(x, x.astype(np.float16))
+    h_ref, g_ref, big_ref = h.copy(), g.copy(), big_g.copy()
+    if eta is not None:
+        h_ref *= h_ref.dtype.type(1.0 - eta)
+        h_ref += h_ref.dtype.type(eta) * x
+    d_ref = h_ref - g_ref
+    d = momentum_diff(h, x, g, eta, np.empty_like(x))
+    assert np.array_equal(d, d_ref) and np.array_equal(h, h_ref)
+    g_ref += c
+    big_ref += avg_c
+    out = track_and_copy(g, c, big_g, avg_c)
+    assert np.array_equal(g, g_ref) and np.array_equal(big_g, big_ref)
+    assert np.array_equal(out, big_ref) and not np.shares_memory(out, big_g)

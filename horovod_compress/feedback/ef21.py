@@ -46,6 +46,7 @@ import numpy as np
 
 from ..params import check_float
 from ..kernels.arrays import get_array_module
+from ..kernels.feedback import fusable, momentum_diff, track_and_copy
 from .base import Feedback, register_feedback
 
 
@@ -59,6 +60,7 @@ class EF21M(Feedback):
     def __init__(self, method: str = "", eta: float = 0.1) -> None:
         super().__init__(method)
         self.eta = check_float(method, "eta", eta, 0.0, 1.0, low_open=True)
+        self._scratch: dict[str, np.ndarray] = {}   # per tensor: the h - g buffer
 
     def params(self) -> dict[str, Any]:
         return {"eta": self.eta}
@@ -80,10 +82,22 @@ class EF21M(Feedback):
         return h
 
     def reduce(self, method: Any, x: np.ndarray, name: str, comm: Any, state: dict) -> np.ndarray:
-        h = self._momentum(x, state)
         g = self._tracker(state, "fb_g", x)
         big_g = self._tracker(state, "fb_G", x)
-        avg_c, c = method._reduce(h - g, name, comm, state)
+        h = x if self.eta == 1.0 and self.name == "ef21" else self._tracker(state, "fb_h", x)
+        if fusable(x, h, g, big_g):
+            # (11a) and h - g in one pass, into a buffer reused across steps (the method's
+            # _reduce consumes it within the call); (11b), (11c) and G's copy in another
+            d = self._scratch.get(name)
+            if d is None or d.shape != x.shape or d.dtype != x.dtype:
+                d = self._scratch[name] = np.empty_like(x)
+            momentum_diff(h, x, g, None if h is x else self.eta, d)
+            avg_c, c = method._reduce(d, name, comm, state)
+            if fusable(g, c, big_g, avg_c):
+                return track_and_copy(g, c, big_g, avg_c)
+        else:
+            h = self._momentum(x, state)
+            avg_c, c = method._reduce(h - g, name, comm, state)
         g += c                               # (11b)
         big_g += avg_c                       # (11c): G = avg_i g_i
         return big_g.copy()
