@@ -25,10 +25,14 @@ from numba import njit
 
 @njit(cache=True)
 def _momentum_diff(h, x, g, keep, eta, d, with_momentum):
-    for i in range(h.size):
-        if with_momentum:
-            h[i] = h[i] * keep + eta * x[i]
-        d[i] = h[i] - g[i]
+    if with_momentum:                      # two loops: no branch inside, both vectorise
+        for i in range(h.size):
+            v = h[i] * keep + eta * x[i]
+            h[i] = v
+            d[i] = v - g[i]
+    else:
+        for i in range(h.size):
+            d[i] = h[i] - g[i]
 
 
 @njit(cache=True)
