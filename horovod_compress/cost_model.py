@@ -21,6 +21,35 @@ fraction of the link a collective reaches (1 for the textbook model; fitted on
 a testbed by :func:`fit_link`). ``T_compute`` (forward/backward) and
 ``T_compress`` (everything the method computes) are measured.
 
+On a shaped testbed these refinements bring the same model closer
+(:func:`predict` applies each only when the :class:`Network` carries the
+quantity, so a preset stays the textbook model):
+
+* **Rounds of the algorithm MPI really runs.** Table 1's allreduce term
+  ``2 log2(P) alpha`` is Rabenseifner's reduce-scatter + allgather (Thakur,
+  Rabenseifner & Gropp, "Optimization of Collective Communication Operations
+  in MPICH", IJHPCA 2005, Section 4.4); the testbed's MPI is told to run
+  recursive doubling below ``ring_from`` bytes (``log2 P`` rounds, same paper)
+  and the ring from there on (``2 (P-1)`` rounds; Patarasuk & Yuan,
+  "Bandwidth Optimal All-reduce Algorithms for Clusters of Workstations",
+  JPDC 2009). Rounds therefore depend on each call's message size, which
+  :attr:`StepProfile.call_bytes` records per call.
+* **A per-round latency floor** ``round_latency``: the time one round of a
+  tiny allreduce takes between bursts of CPU work (measured), i.e. the
+  scheduler's share of alpha when ranks outnumber cores. A call costs
+  ``rounds * max(alpha_op, round_latency)``.
+* **The token bucket of a shaped link** (``burst_bytes``, the ``burst`` of
+  Linux's token bucket filter, tc-tbf(8)): a link that was idle lets its
+  first ``b`` bytes through at the speed of the wire underneath, so a call
+  moving ``L`` bytes per link waits
+  for tokens only for ``max(0, L - tokens)`` bytes; the bucket refills at the
+  link rate during the CPU work between calls (``tokens = min(b, left + B
+  gap)``). Without it every sub-megabyte exchange is over-predicted at 100
+  Mbit (Rand-K's 0.46 MB allreduce at P = 2: 37 ms at the full link rate,
+  21 ms measured).
+* **Each collective kind at its own measured rate and alpha**; an operation
+  without a probe of its own takes the nearest one's (:data:`PROBE_OF`).
+
 To extrapolate to other P, a method's bytes per step scale with its
 algorithm's volume law (Table 1): allreduce-like volume ``(P-1)/P``
 (dense, Ok-Topk, Global-QSGD, PowerSGD, ...), allgather-like ``(P-1)`` (TopkA,
@@ -46,6 +75,22 @@ class Network:
     efficiency: Mapping[str, float] = field(default_factory=dict)   # eta_op, 1 where absent
     op_alpha: Mapping[str, float] = field(default_factory=dict)     # per-op alpha where fitted
     call_latency: float = 0.0      # least time per collective call (scheduling on a shared machine)
+    round_latency: float = 0.0     # least time per message round (scheduling), replaces call_latency when set
+    burst_bytes: float = 0.0       # token bucket depth of each shaped link direction (tbf burst); 0: none
+    ring_from: float | None = None  # allreduce by recursive doubling below, ring from this many bytes
+
+    def rounds(self, op: str, world_size: int, message_bytes: float) -> float:
+        """Latency rounds of one ``op`` call moving ``message_bytes`` per rank (volume model).
+
+        Table 1's rounds (:data:`ROUNDS`), except an allreduce on a network
+        with ``ring_from`` set: ``log2 P`` rounds (recursive doubling) for a
+        message ``N = bytes / (2 (P-1) / P)`` below it, ``2 (P-1)`` (ring) from it on.
+        """
+        p = world_size
+        if op == "allreduce" and self.ring_from is not None and p > 1:
+            n = message_bytes / (2.0 * (p - 1) / p)
+            return float(2 * (p - 1)) if n >= self.ring_from else math.ceil(_log2(p))
+        return ROUNDS.get(op, _log2)(p)
 
     @property
     def bytes_per_second(self) -> float:
@@ -131,6 +176,24 @@ class StepProfile:
     compute_s: float                       # forward + backward
     compress_s: float                      # the method's own computation (exchange minus MPI time)
     ops: dict[str, OpCount]
+    #: per operation, the bytes (max of sent, received) of each call in one step, in call order,
+    #: where recorded; otherwise every call is taken to move the op's mean
+    call_bytes: dict[str, list[float]] = field(default_factory=dict)
+
+    def calls_of(self, op: str) -> tuple[list[float], float]:
+        """(bytes of each ``op`` call in one step, how many calls each entry stands for).
+
+        Recorded sizes stand for one call each; otherwise ``ceil(calls)`` equal
+        parts of the op's bytes, each weighted so the latency counts ``calls``
+        (a mean over steps may be fractional) calls.
+        """
+        o = self.ops[op]
+        recorded = self.call_bytes.get(op)
+        if recorded:
+            return list(recorded), 1.0
+        total = max(o.sent, o.received)
+        n = max(math.ceil(o.calls - 1e-9), 1 if total > 0 else 0)
+        return ([total / n] * n, o.calls / n) if n else ([], 0.0)
 
     @property
     def bytes_per_step(self) -> float:
@@ -150,7 +213,7 @@ class StepProfile:
                 peers = _LAWS["tree"] if VOLUME_LAW.get(self.method) == "tree" else (lambda p: float(p - 1))
                 calls = o.calls * peers(world_size) / max(peers(self.world_size), 1e-12)
             ops[name] = OpCount(calls, o.sent * factor, o.received * factor)
-        return replace(self, world_size=world_size, ops=ops)
+        return replace(self, world_size=world_size, ops=ops, call_bytes={})
 
 
 @dataclass
@@ -171,17 +234,56 @@ class Prediction:
         return self.compute_s + self.compress_s + self.comm_s
 
 
+#: Operations without a probe of their own take the measured constants of the closest one.
+PROBE_OF: dict[str, str] = {"allgather": "allgatherv", "allgather_object": "allgatherv",
+                            "alltoall": "alltoallv", "broadcast": "p2p", "barrier": "allreduce"}
+
+
+def _per_op(table: Mapping[str, float], op: str, default: float) -> float:
+    if op in table:
+        return table[op]
+    return table.get(PROBE_OF.get(op, ""), default)
+
+
 def predict(profile: StepProfile, network: Network, world_size: int | None = None) -> Prediction:
-    """Predicted step time of ``profile`` on ``network`` (at ``world_size`` ranks, default its own)."""
+    """Predicted step time of ``profile`` on ``network`` (at ``world_size`` ranks, default its own).
+
+    Per call ``i`` of an operation moving ``L_i`` bytes per rank (the volume
+    model's ``max(sent, received)``):
+
+        latency_i  = max(rounds(op, P, L_i) * alpha_op, call_latency), or with a round latency
+                     rounds(op, P, L_i) * max(alpha_op, round_latency)
+        transfer_i = max(0, L_i - tokens_i) / (eta_op * B)
+
+    ``tokens_i = B`` (no bucket) on a network without ``burst_bytes``; with one,
+    the bucket starts full and refills at ``B`` over the CPU work between calls
+    (the profile's compression time spread evenly over its calls).
+    """
     prof = profile.scaled(world_size or profile.world_size)
     p = prof.world_size
+    rate = network.bytes_per_second
+    per_op = {name: prof.calls_of(name) for name in prof.ops}
+    n_calls = sum(len(v[0]) for v in per_op.values())
+    gap = prof.compress_s / n_calls if n_calls else 0.0
+    bucket = network.burst_bytes
+    tokens = bucket
     latency = transfer = 0.0
-    for name, o in prof.ops.items():
-        rounds = ROUNDS.get(name, _log2)(p)
-        per_call = max(rounds * network.op_alpha.get(name, network.alpha), network.call_latency)
-        latency += o.calls * per_call
-        eta = network.efficiency.get(name, 1.0)
-        transfer += max(o.sent, o.received) / (eta * network.bytes_per_second)
+    for name, (sizes, weight) in per_op.items():
+        alpha = _per_op(network.op_alpha, name, network.alpha)
+        eta = _per_op(network.efficiency, name, 1.0)
+        for nbytes in sizes:
+            rounds = network.rounds(name, p, nbytes)
+            if network.round_latency > 0:
+                latency += weight * rounds * max(alpha, network.round_latency)
+            else:
+                latency += weight * max(rounds * alpha, network.call_latency)
+            if bucket > 0:
+                tokens = min(bucket, tokens + rate * gap)
+                waiting = max(0.0, nbytes - tokens)
+                tokens = max(0.0, tokens - nbytes)
+            else:
+                waiting = nbytes
+            transfer += waiting / (eta * rate)
     return Prediction(prof.compute_s, prof.compress_s, latency, transfer)
 
 
@@ -213,21 +315,37 @@ def break_even_bandwidth(profile: StepProfile, dense: StepProfile, network: Netw
 
 
 def fit_link(nominal_bandwidth: float, probes: Mapping[str, tuple[float, float, float, float]],
-             call_latency: float = 0.0) -> Network:
+             call_latency: float = 0.0, *, ring_from: float | None = None, burst_bytes: float = 0.0,
+             small_bytes: float = 8.0) -> Network:
     """A :class:`Network` fitted to measurements on a testbed, per operation.
 
     ``probes[op] = (small_seconds, large_seconds, large_bytes, world_size)``:
     one call's time with a tiny message (-> that op's alpha per round) and with
     ``large_bytes`` moved per rank (-> its efficiency eta against the nominal
-    bandwidth). The link rate itself stays the nominal one, so a preset's
+    bandwidth: ``eta = (large_bytes - burst) / (B (t_large - t_small))``, capped
+    at 1). The link rate itself stays the nominal one, so a preset's
     efficiency says how much of it MPI's algorithm actually reaches.
+
+    ``call_latency``: one tiny allreduce's time between bursts of CPU work. With
+    ``ring_from`` (the size from which the MPI runs the ring allreduce) rounds
+    follow the algorithm really run (:meth:`Network.rounds`) and
+    ``call_latency`` becomes a per-round floor (``round_latency`` = it divided by
+    the tiny allreduce's rounds); without, Table 1's rounds and a per-call
+    floor, as the textbook model has it. ``burst_bytes``: the links' token bucket.
     """
+    shape = Network("", 0.0, nominal_bandwidth, ring_from=ring_from)
     op_alpha, eff = {}, {}
     for op, (t_small, t_large, nbytes, p) in probes.items():
-        rounds = ROUNDS.get(op, _log2)(int(p)) or 1.0
+        rounds = (shape.rounds(op, int(p), small_bytes) if ring_from is not None
+                  else ROUNDS.get(op, _log2)(int(p))) or 1.0
         op_alpha[op] = t_small / rounds
-        ideal = nbytes / (nominal_bandwidth / 8.0)
+        ideal = max(nbytes - burst_bytes, 0.0) / (nominal_bandwidth / 8.0)
         eff[op] = min(1.0, ideal / max(t_large - t_small, 1e-12))
     alpha = op_alpha.get("allreduce", min(op_alpha.values()) if op_alpha else 0.0)
+    round_latency = 0.0
+    if ring_from is not None and call_latency > 0 and probes:
+        p = int(next(iter(probes.values()))[3])
+        round_latency = call_latency / max(shape.rounds("allreduce", p, small_bytes), 1.0)
     return Network("testbed (fitted)", alpha, nominal_bandwidth, "fitted per operation on the emulated cluster",
-                   efficiency=eff, op_alpha=op_alpha, call_latency=call_latency)
+                   efficiency=eff, op_alpha=op_alpha, call_latency=call_latency if round_latency == 0 else 0.0,
+                   round_latency=round_latency, burst_bytes=burst_bytes, ring_from=ring_from)

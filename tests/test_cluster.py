@@ -79,6 +79,54 @@ def test_fit_link_recovers_constants():
     assert net.efficiency["allreduce"] == pytest.approx(eff)
 
 
+def test_rounds_follow_the_algorithm_mpi_runs():
+    # Table 1 (Rabenseifner): 2 log2 P; the testbed: recursive doubling below 64 KiB, ring from it on
+    table1, testbed = Network("t", 1e-5, 1e9), Network("t", 1e-5, 1e9, ring_from=65536)
+    small, large = 1000.0, 2 * 3 / 4 * 65536            # the ring's volume of a 64 KiB message at P = 4
+    assert table1.rounds("allreduce", 4, small) == table1.rounds("allreduce", 4, large) == 4
+    assert testbed.rounds("allreduce", 4, small) == 2 and testbed.rounds("allreduce", 4, large) == 6
+    assert testbed.rounds("allgatherv", 8, large) == 3
+    # a per-round floor: 10 small ring-less calls at P = 4 cost 10 x 2 x max(alpha, floor)
+    floor = Network("t", 1e-5, 1e9, ring_from=65536, round_latency=1e-4)
+    assert predict(_profile("m", 4, small * 10, calls=10), floor).latency_s == pytest.approx(10 * 2 * 1e-4)
+
+
+def test_token_bucket_lets_the_first_burst_through():
+    b, rate = 262144.0, 1e8                                 # 256 KiB bucket on a 100 Mbit link
+    net = Network("t", 0.0, rate, burst_bytes=b)
+    one = predict(_profile("m", 2, 1e6), net)
+    assert one.transfer_s == pytest.approx((1e6 - b) / (rate / 8))
+    assert predict(_profile("m", 2, 1e5), net).transfer_s == 0.0
+    # two 200 kB calls with no CPU work between: the second finds 62 kB of tokens left
+    two = predict(_profile("m", 2, 4e5, calls=2), net)
+    assert two.transfer_s == pytest.approx((2e5 - (b - 2e5)) / (rate / 8))
+    # ... and with enough work between them the bucket refills: both pass at wire speed
+    assert predict(_profile("m", 2, 4e5, calls=2, compress=1.0), net).transfer_s == 0.0
+    # recorded per-call sizes replace the mean: one 1 MB call, then a tiny one into the empty bucket
+    prof = StepProfile("m", 2, 0.1, 0.0, {"allreduce": OpCount(2, 1e6 + 8, 1e6 + 8)},
+                       call_bytes={"allreduce": [1e6, 8.0]})
+    assert predict(prof, net).transfer_s == pytest.approx((1e6 + 8 - b) / (rate / 8))
+    assert predict(_profile("m", 2, 1e6 + 8, calls=2), net).transfer_s == pytest.approx(
+        2 * (5e5 + 4) / (rate / 8) - b / (rate / 8))
+
+
+def test_fit_link_on_the_testbed_rounds_and_bucket():
+    # an allreduce at P = 4, recursive doubling (2 rounds) for the small probe, 90% of 1 Gbit,
+    # a 256 KiB token bucket, 200 us for one tiny allreduce between bursts of CPU work
+    alpha, eff, p, b = 40e-6, 0.9, 4, 262144.0
+    nbytes = 24e6
+    small = 2 * alpha
+    large = small + (nbytes - b) / (eff * 1e9 / 8)
+    net = fit_link(1e9, {"allreduce": (small, large, nbytes, p), "allgatherv": (small, large, nbytes, p)},
+                   call_latency=200e-6, ring_from=65536, burst_bytes=b)
+    assert net.op_alpha["allreduce"] == pytest.approx(alpha)
+    assert net.efficiency["allreduce"] == pytest.approx(eff)
+    assert net.round_latency == pytest.approx(100e-6) and net.call_latency == 0.0
+    # an operation without a probe of its own (allgather) takes allgatherv's rate
+    gather = StepProfile("m", p, 0.1, 0.0, {"allgather": OpCount(1, 1e7, 1e7)})
+    assert predict(gather, net).transfer_s == pytest.approx((1e7 - b) / (eff * 1e9 / 8))
+
+
 def test_spec_validation():
     assert parse_rate("100mbit") == 1e8 and parse_rate("10gbit") == 1e10
     for bad in ({"bandwidth": "fast"}, {"hosts": 0}, {"name": "Bad-Name"}, {"subnet": "10.1"},
@@ -140,6 +188,11 @@ def test_bench_e2e_writes_its_tables(tmp_path):
         assert "error" not in m, (label, m)
         assert m["step_s"] > 0 and m["predicted"]["comm_s"] > 0
     assert run["methods"]["none"]["speedup"] == pytest.approx(1.0)
+    # the model used each method's recorded per-call sizes (recorded first, on shared memory)
+    calls = json.loads((out / "e2e_calls.json").read_text())["tiny"]["2"]
+    assert set(calls) == {"none", "topk", "oktopk"}
+    assert all(m["predicted"]["call_sizes"] == "recorded" for m in run["methods"].values() if m["ops"])
+    assert run["burst_bytes"] > 0 and run["load_before"] >= 0 and run["load_after"] >= 0
     assert (out / "e2e.png").stat().st_size > 1000
     assert "Speedup of a whole step over dense" in (out / "e2e.md").read_text()
     # hvdc model reads those profiles: a row per method, dense at 1.00x, a break-even for the others

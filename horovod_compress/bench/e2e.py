@@ -8,8 +8,12 @@ its share of the cores (threads = cores // P, at least 1), and says so.
 The worker first probes the links (small and 16 MiB messages of each
 collective the methods use) -- what the links really carry -- then times
 ``--steps`` training steps per method. The launcher fits the alpha-beta model
-to the probes (:func:`horovod_compress.cost_model.fit_link`), predicts every
-method's communication time from its measured bytes and calls, and writes
+to the probes (:func:`horovod_compress.cost_model.fit_link`: per collective
+kind its alpha and carried rate, the links' token bucket, a per-round latency
+floor measured between bursts of CPU work, the rounds of the algorithm the
+cluster's MPI runs), predicts every method's communication time from the size
+of each of its calls (recorded on shared memory by :mod:`.e2e_calls`, checked
+against the measured bytes and calls), and writes
 ``<out>/<name>.md``, ``.json`` and ``.png`` (speedup over dense against
 bandwidth).
 
@@ -32,12 +36,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..cost_model import OpCount, StepProfile, break_even_bandwidth, fit_link, predict
+from ..cost_model import PROBE_OF, OpCount, StepProfile, break_even_bandwidth, fit_link, predict
 
 DEFAULT_BANDWIDTHS = ("100mbit", "1gbit", "10gbit")
 SHM = "shm"
 MODEL_CHECK = ("100mbit", "1gbit")   # where the model must be within 25%
 TOLERANCE = 0.25
+#: The emulated cluster's MPI runs allreduce by recursive doubling below 64 KiB and by the ring
+#: from 64 KiB on (:data:`horovod_compress.cluster.launch.ALLREDUCE_RULES`): the model counts those rounds.
+RING_FROM = 65536
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -57,7 +64,12 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-cluster", action="store_true", help="run on shared memory (no namespaces, no shaping)")
     p.add_argument("--cluster-name", default=None,
                    help="name of the emulated cluster it builds (default: e2e<pid>, so runs never share one)")
+    p.add_argument("--subnet", default=None,
+                   help="first three octets of the cluster's /24 (default 10.213.0; give concurrent runs their own)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per (P, bandwidth) run")
+    p.add_argument("--call-sizes", metavar="JSON", default=None,
+                   help="per-call message sizes of each method (default <out>/<name>_calls.json); a measuring "
+                        "run records the missing P first, on shared memory (see bench/e2e_calls.py)")
     p.add_argument("--rerender", metavar="JSON", nargs="+", default=None,
                    help="re-analyse and re-render earlier runs' JSON (no measurement); several files are "
                         "merged into one report, e.g. P=2 and P=4 measured in two invocations")
@@ -173,13 +185,24 @@ def run(args: argparse.Namespace) -> int:
         from ..cluster import parse_rate
         for bw in bws:
             parse_rate(bw)
+    calls_path = _calls_path(args)
+    known = json.loads(calls_path.read_text()).get(args.model, {}) if calls_path.exists() else {}
+    missing = [p for p in args.hosts if any(_label(m) not in known.get(str(p), {}) for m in methods)]
+    if missing:
+        from .e2e_calls import record
+        print(f"[e2e] recording each method's per-call message sizes at P={missing} on shared memory "
+              f"-> {calls_path}", file=sys.stderr)
+        record(missing, methods, args.model, calls_path)
     runs: list[dict[str, Any]] = []
     failed: list[dict[str, Any]] = []       # a run that fails or times out is reported, the others kept
 
-    def measure(cmd: list[str], env: dict[str, str], p: int, bw: str, path: str) -> None:
+    def measure(cmd: list[str], env: dict[str, str], p: int, bw: str, path: str,
+                extra: dict[str, Any] | None = None) -> None:
+        extra = {**(extra or {}), "load_before": os.getloadavg()[0]}   # the machine is shared: say how much
         try:
             _stream(cmd, env, bar, f"P={p} {bw}", args.timeout, path)
-            runs.append({"bandwidth": bw, **json.loads(Path(path).read_text())})
+            runs.append({"bandwidth": bw, **json.loads(Path(path).read_text()), **extra,
+                         "load_after": os.getloadavg()[0]})
         except RuntimeError as exc:
             tqdm.write(f"[e2e] P={p} {bw}: {exc}", file=sys.stderr)
             failed.append({"world_size": p, "bandwidth": bw, "error": str(exc)[-3000:]})
@@ -195,14 +218,16 @@ def run(args: argparse.Namespace) -> int:
                 tqdm.write(f"[e2e] P={p} on shared memory, {threads} thread(s) per rank", file=sys.stderr)
                 measure(_worker_command(p, methods, args, path, True), env, p, SHM, path)
                 continue
-            spec = ClusterSpec(hosts=p, bandwidth=bws[0], name=args.cluster_name or f"e2e{os.getpid() % 10**8}")
+            spec = ClusterSpec(hosts=p, bandwidth=bws[0], name=args.cluster_name or f"e2e{os.getpid() % 10**8}",
+                               **({"subnet": args.subnet} if args.subnet else {}))
             with EmulatedCluster(spec) as cluster:
                 for bw in bws:
                     cluster.reshape(bw)
                     tqdm.write(f"[e2e] {describe(cluster.spec, p)}", file=sys.stderr)
                     path = os.path.join(tmp, f"p{p}-{bw}.json")
                     cmd = in_host(cluster.spec, _worker_command(p, methods, args, path, False))
-                    measure(cmd, cluster_env(cluster.spec, p), p, bw, path)
+                    measure(cmd, cluster_env(cluster.spec, p), p, bw, path,
+                            {"burst_bytes": cluster.spec.burst_bytes()})
     report = analyse(runs, args)
     report["failed_runs"] = failed
     if not args.no_cluster:
@@ -218,11 +243,35 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------- analysis
-def profile_of(label: str, m: dict[str, Any], p: int) -> StepProfile:
+def profile_of(label: str, m: dict[str, Any], p: int,
+               calls: dict[str, list[float]] | None = None) -> StepProfile:
     """The method's step as the model sees it: CPU time of compute and compression (what they cost
-    on a rank with a core of its own), bytes and calls per operation."""
+    on a rank with a core of its own), bytes and calls per operation, and where ``calls`` (recorded by
+    :mod:`.e2e_calls`) agrees with the measured op -- as many calls, bytes within 10% -- each call's size."""
     ops = {op: OpCount(v["calls"], v["sent"], v["received"]) for op, v in m["ops"].items()}
-    return StepProfile(label.split("(")[0], p, m["compute_cpu_s"], m["compress_cpu_s"], ops)
+    sizes = {}
+    for op, v in (calls or {}).items():
+        o = ops.get(op)
+        if o is None or len(v) != round(o.calls):
+            continue
+        total = max(o.sent, o.received)
+        if abs(sum(v) - total) <= 0.1 * max(total, 1.0):
+            sizes[op] = [x * total / sum(v) if sum(v) > 0 else x for x in v]   # rescaled to the measured total
+    return StepProfile(label.split("(")[0], p, m["compute_cpu_s"], m["compress_cpu_s"], ops, call_bytes=sizes)
+
+
+def _label(spec: str) -> str:
+    """The report's label of a ``--methods`` item (``name`` or ``name(k=v,...)``)."""
+    name, _, raw = spec.partition(":")
+    params = json.loads(raw) if raw else {}
+    return name if not params else f"{name}({','.join(f'{k}={v}' for k, v in params.items())})"
+
+
+def _calls_path(args: argparse.Namespace | None) -> Path:
+    if args is not None and getattr(args, "call_sizes", None):
+        return Path(args.call_sizes)
+    out = Path(getattr(args, "out", "benchmarks") or "benchmarks")
+    return out / f"{getattr(args, 'name', 'e2e') or 'e2e'}_calls.json"
 
 
 def core_share(world_size: int, cores: int) -> float:
@@ -236,24 +285,33 @@ def analyse(runs: list[dict[str, Any]], args: argparse.Namespace | None = None) 
     import torch
     from mpi4py import MPI
 
-    from ..cluster import parse_rate
+    from ..cluster import ClusterSpec, parse_rate
+    calls_path = _calls_path(args)
+    all_calls = json.loads(calls_path.read_text()) if calls_path.exists() else {}
     for r in runs:
         p = r["world_size"]
         nominal = 80e9 if r["bandwidth"] == SHM else parse_rate(r["bandwidth"])
+        # the links' token bucket: recorded by the run, else the cluster's default for this rate
+        burst = 0.0 if r["bandwidth"] == SHM else float(
+            r.get("burst_bytes") or ClusterSpec(bandwidth=r["bandwidth"]).burst_bytes())
         probes = {op: v for op, v in r["probe"].items() if "large_s" in v}
         fitted = fit_link(nominal, {op: (v["small_s"], v["large_s"], v["large_bytes"], p)
                                     for op, v in probes.items()},
-                          call_latency=r["probe"].get("interleaved", {}).get("call_s", 0.0))
+                          call_latency=r["probe"].get("interleaved", {}).get("call_s", 0.0),
+                          ring_from=None if r["bandwidth"] == SHM else RING_FROM, burst_bytes=burst)
         r["link"] = {op: {"alpha_us": 1e6 * fitted.op_alpha[op], "efficiency": fitted.efficiency[op],
                           "carried_gbit": v["large_bytes"] * 8 / v["large_s"] / 1e9}
                      for op, v in probes.items()}
-        r["call_latency_us"] = 1e6 * fitted.call_latency
+        r["call_latency_us"] = 1e6 * r["probe"].get("interleaved", {}).get("call_s", 0.0)
+        r["round_latency_us"] = 1e6 * fitted.round_latency
+        r["burst_bytes"] = burst
+        run_calls = all_calls.get(r.get("model", ""), {}).get(str(p), {})
         dense = r["methods"].get("none")
-        dense_prof = profile_of("none", dense, p) if dense and "error" not in dense else None
+        dense_prof = profile_of("none", dense, p, run_calls.get("none")) if dense and "error" not in dense else None
         for label, m in r["methods"].items():
             if "error" in m:
                 continue
-            prof = profile_of(label, m, p)
+            prof = profile_of(label, m, p, run_calls.get(label))
             pred = predict(prof, fitted)
             # On the testbed P ranks share the machine's cores: each rank's CPU work
             # stretches by the share, and a rank waits in MPI for peers still computing.
@@ -265,9 +323,13 @@ def analyse(runs: list[dict[str, Any]], args: argparse.Namespace | None = None) 
             work = m["compute_cpu_s"] + m["compress_cpu_s"]
             wait = m.get("imbalance_s", 0.0)
             step = share * work + pred.comm_s + wait
-            m["predicted"] = {"comm_s": pred.comm_s + wait, "alpha_beta_s": pred.comm_s, "wait_s": wait,
+            # The comm prediction is the alpha-beta part alone: every Method.allreduce starts with a
+            # 1-byte agreement allgather outside the accounted collectives (runtime/consistency.py), so
+            # waiting for a peer's compute before the call is spent there (in compress), not in comm.
+            m["predicted"] = {"comm_s": pred.comm_s, "alpha_beta_s": pred.comm_s, "wait_s": wait,
                               "latency_s": pred.latency_s, "transfer_s": pred.transfer_s, "step_s": step,
-                              "core_share": share}
+                              "core_share": share,
+                              "call_sizes": "recorded" if prof.call_bytes else "mean per call"}
             m["model_error"] = (m["predicted"]["comm_s"] - m["comm_s"]) / m["comm_s"] if m["comm_s"] > 0 else 0.0
             m["step_model_error"] = (step - m["step_s"]) / m["step_s"]
             m["compress_vs_memcpy"] = m["compress_s"] / r["memcpy_s"] if r["memcpy_s"] > 0 else float("nan")
@@ -347,6 +409,18 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
         lines.append(f"| {r['world_size']} | {_fmt_bw(r['bandwidth'])} | {link['p2p']['carried_gbit']:.2f} | "
                      f"{link['allreduce']['carried_gbit']:.2f} | {link['allgatherv']['carried_gbit']:.2f} | "
                      f"{link['alltoallv']['carried_gbit']:.2f} | {link['allreduce']['alpha_us']:.0f} |")
+    bound = [r for r in runs if r["bandwidth"] != SHM and r["world_size"] > 1 and r.get("cores", 2) == 1]
+    if bound:
+        lines += ["", "**Ranks bound to one core:** " + ", ".join(
+            f"P={r['world_size']} {_fmt_bw(r['bandwidth'])}" for r in bound) + ": rank 0 could run on one core only "
+            "(Open MPI binds each rank to core 0 of its node when np <= 2, and every emulated host is a node: the "
+            "ranks shared one physical core). Their rates and times are those of ranks sharing a core; the "
+            "cluster now runs ranks unbound (`OMPI_MCA_hwloc_base_binding_policy=none`)."]
+    loaded = [r for r in runs if "load_before" in r]
+    if loaded:
+        lines += ["", "Load average (1 min) of the machine before -> after each run: " + "; ".join(
+            f"P={r['world_size']} {_fmt_bw(r['bandwidth'])} {r['load_before']:.1f} -> {r['load_after']:.1f}"
+            for r in loaded) + f" ({first.get('cores', '?')} cores seen by rank 0)."]
     short = [r for r in runs if r["bandwidth"] != SHM
              and r["link"]["p2p"]["carried_gbit"] < 0.8 * _nominal_gbit(r["bandwidth"])]
     if short:
@@ -378,13 +452,14 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
         lines += ["", f"## Breakdown, P = {r['world_size']}, {_fmt_bw(r['bandwidth'])}", "",
                   f"Seconds per step (mean over ranks of the median step). compress = the method's own "
                   f"computation, shown also against a memcpy of the gradient ({r['memcpy_s'] * 1e3:.1f} ms); "
-                  f"comm = time inside MPI (including waiting for other ranks). Predicted: the alpha-beta model "
-                  f"fitted to this run's probes (per collective: max(rounds x alpha, {r.get('call_latency_us', 0):.0f} us "
-                  f"per call measured between bursts of CPU work) + bytes / carried rate), from each method's measured "
-                  f"bytes and calls; plus wait = the time a rank waits for the slowest peer's compute and compression "
-                  f"(measured per step, not predicted). Predicted step = CPU time x the measured core share "
-                  f"+ alpha-beta + wait.", "",
-                  "| method | step | speedup | compute | compress | compress / memcpy | comm | predicted: alpha-beta + wait = comm | comm model error | predicted step (error) | MB/step | break-even Gbit/s |",
+                  f"comm = time inside MPI (including waiting for other ranks). Predicted comm: the alpha-beta "
+                  f"model fitted to this run's probes, from each method's bytes per call -- latency = rounds of "
+                  f"the algorithm MPI runs x max(alpha, {r.get('round_latency_us', 0):.0f} us per round measured "
+                  f"between bursts of CPU work), transfer = bytes beyond the links' "
+                  f"{r.get('burst_bytes', 0) / 1024:.0f} KiB token bucket / the rate the probe of that collective "
+                  f"carried. Predicted step = CPU time x the measured core share + predicted comm + wait (the time "
+                  f"a rank waits for the slowest peer's compute and compression, measured per step).", "",
+                  "| method | step | speedup | compute | compress | compress / memcpy | comm | predicted comm: latency + transfer | comm model error | predicted step (error) | MB/step | break-even Gbit/s |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for label, m in r["methods"].items():
             if "error" in m:
@@ -397,7 +472,7 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
             pr = m["predicted"]
             lines.append(f"| {label} | {m['step_s']:.3f} | {m.get('speedup', float('nan')):.2f}x | "
                          f"{m['compute_s']:.3f} | {m['compress_s']:.3f} | {m['compress_vs_memcpy']:.0f}x | "
-                         f"{m['comm_s']:.3f} | {pr['alpha_beta_s']:.3f} + {pr['wait_s']:.3f} = {pr['comm_s']:.3f} | "
+                         f"{m['comm_s']:.3f} | {pr.get('latency_s', 0):.3f} + {pr.get('transfer_s', 0):.3f} = {pr['comm_s']:.3f} | "
                          f"{100 * m['model_error']:+.0f}% | {pr['step_s']:.3f} ({100 * m['step_model_error']:+.0f}%) | "
                          f"{m['bytes_per_step'] / 1e6:.2f} | {be_s} |")
     checked = [(r, label, m) for r in runs if r["bandwidth"] in MODEL_CHECK for label, m in r["methods"].items()
@@ -411,6 +486,24 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
         if bad:
             lines.append("Outside: " + "; ".join(f"{label} P={r['world_size']} {_fmt_bw(r['bandwidth'])} "
                                                  f"({100 * m['model_error']:+.0f}%)" for r, label, m in bad) + ".")
+            lines += ["", "What each miss was made of (diagnosis only, not used by the model): *carried* = the "
+                      "method's bytes beyond the token bucket / (measured comm - predicted latency), against the "
+                      "rate the probe of its main collective carried; *share* = wall / CPU time of the rank's "
+                      "forward and backward (2 = P/cores on an idle machine at P = 4, 1 at P = 2).", "",
+                      "| case | comm | predicted: latency + transfer | error | calls | carried / probe Gbit/s | share |",
+                      "|---|---:|---:|---:|---:|---:|---:|"]
+            for r, label, m in bad:
+                pr = m["predicted"]
+                main = max(m["ops"], key=lambda op: max(m["ops"][op]["sent"], m["ops"][op]["received"]))
+                probe = r["link"].get(main) or r["link"].get(PROBE_OF.get(main, ""), {})
+                left = m["comm_s"] - pr.get("latency_s", 0.0)
+                beyond = pr.get("transfer_s", 0.0) * probe.get("efficiency", 1.0) * _nominal_gbit(r["bandwidth"]) * 1e9
+                carried = f"{beyond / left / 1e9:.3f}" if left > 0 and beyond > 0 else "-"
+                lines.append(f"| {label} P={r['world_size']} {_fmt_bw(r['bandwidth'])} | {m['comm_s']:.3f} | "
+                             f"{pr.get('latency_s', 0):.3f} + {pr.get('transfer_s', 0):.3f} | "
+                             f"{100 * m['model_error']:+.0f}% | {sum(v['calls'] for v in m['ops'].values()):.0f} | "
+                             f"{carried} / {probe.get('carried_gbit', float('nan')):.3f} ({main}) | "
+                             f"{pr.get('core_share', float('nan')):.1f} |")
     if "namespaces_left" in report:
         left = report["namespaces_left"]
         lines += ["", "After the run: " + (f"**namespaces left behind: {left}**" if left else

@@ -7,11 +7,13 @@ works unchanged):
 * ``orte_default_hostfile``: one line per host address with its slots;
 * ``plm_rsh_agent``: a script standing in for ssh -- it runs the remote
   daemon under ``ip netns exec`` of the namespace that owns the address;
-* ``btl=tcp,self``, two TCP connections per peer pair (full duplex), and ``btl_tcp_if_include``/``oob_tcp_if_include`` = the
+* ``btl=tcp,self``, one TCP connection per peer pair (full duplex), and ``btl_tcp_if_include``/``oob_tcp_if_include`` = the
   cluster's subnet, so every byte between ranks crosses the shaped links
   (no shared-memory transport between hosts);
 * allreduce by the bandwidth-optimal ring from 64 KiB on (``ALLREDUCE_RULES``),
   the algorithm the volume model assumes and a cluster-tuned MPI picks;
+* no process binding (Open MPI would pin every rank of a P = 2 job to core
+  0, since each emulated host looks like its own node);
 * one share of the machine's cores per rank: ``OMP_NUM_THREADS``,
   ``NUMBA_NUM_THREADS``, ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS`` (torch
   reads ``OMP_NUM_THREADS``), since oversubscribed thread pools distort every
@@ -102,6 +104,14 @@ def cluster_env(spec: ClusterSpec, ranks: int | None = None,
         "OMPI_MCA_coll_tuned_use_dynamic_rules": "1",
         "OMPI_MCA_coll_tuned_dynamic_rules_filename": str(d / COLL_RULES),
         "OMPI_MCA_rmaps_base_oversubscribe": "1",
+        # No binding. Every emulated host is a separate node to Open MPI, and
+        # with np <= 2 it binds each rank to core 0 *of its node*: both ranks
+        # of a P = 2 run landed on the same physical core (the other idle),
+        # which halved the links' measured rate (0.48 of 1 Gbit point to
+        # point, 0.05 of 100 Mbit) and stretched every rank's compute 2x.
+        # Unbound (as np > 2 already is on one NUMA node), the same probe
+        # carries 0.96 and 0.095. Set OMPI_MCA_hwloc_base_binding_policy to override.
+        "OMPI_MCA_hwloc_base_binding_policy": env.get("OMPI_MCA_hwloc_base_binding_policy", "none"),
         "OMPI_MCA_mpi_yield_when_idle": "1",
         "HVDC_CLUSTER": spec.name,
         "HVDC_CLUSTER_BANDWIDTH": spec.bandwidth,
