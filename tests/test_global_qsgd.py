@@ -13,7 +13,8 @@ from horovod_compress.testing import run_cases
 
 CASES = Path(__file__).parent / "cases" / "global_qsgd_cases.py"
 ALL = ["case_statistics", "case_qsgd_statistics", "case_bytes", "case_operator",
-       "case_special_inputs", "case_exact_paths", "case_reproducible", "case_float64_and_shapes"]
+       "case_special_inputs", "case_exact_paths", "case_reproducible", "case_float64_and_shapes",
+       "case_ring"]
 
 pytestmark = pytest.mark.mpi
 
@@ -120,6 +121,19 @@ def test_reproducible_with_fixed_seed(world):
             assert st["same_seed_equal"] and st["steps_differ"] and st["other_seed_differs"]
             assert st["restored_equal"], (p, rank, label)
             assert st["digest"] == res["case_reproducible"][0][label]["digest"]  # ranks agree
+
+
+def test_pipelined_ring_matches_the_mpi_path(world):
+    """8-bit exponential payloads >= ring_min_bytes take the pipelined ring: same bytes, same
+    bits on every rank, its own reduction words, the accuracy of MPI's reduce-scatter path."""
+    p, res = world
+    for rank, out in res["case_ring"].items():
+        for label in ("ring", "mpi"):
+            st = out[label]
+            assert st["payload"] == out["expected_payload"], (p, rank, label, st)
+            assert st["same_on_ranks"] and st["saturated"] == 0, (p, rank, label, st)
+        assert out["ring"]["digest"] != out["mpi"]["digest"]   # other words: the ring ran
+        assert out["ring"]["rel_err"] < 1.3 * out["mpi"]["rel_err"] + 1e-3, (p, out)
 
 
 def test_dtypes_and_shapes(world):

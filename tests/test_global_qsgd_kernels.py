@@ -364,3 +364,58 @@ def test_exp_dequantize_equals_ldexp_table_bit_for_bit():
                             (math.ldexp(scale, -(c & emask)) if c & emask else 0.0)
                             for c in codes.tolist()])
             assert np.array_equal(got.view(np.int64), ref.view(np.int64)), (sign_shift, scale)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_fused_quantize_dequantize_equals_the_two_pass_kernels(bits):
+    """qsgd_fused: the one-pass codes and ``local`` equal exp_quantize (+ pack_nibbles) and
+    exp_dequantize bit for bit, whole or by arbitrary ranges; the range dequantizers too."""
+    from horovod_compress.kernels.qsgd_fused import (
+        exp_dequantize4_range,
+        exp_dequantize8_range,
+        exp_quantize4_packed_range,
+        exp_quantize_dequant,
+        exp_quantize_dequant4_range,
+        exp_quantize_dequant8_range,
+    )
+    from horovod_compress.kernels.quantize import exp_dequantize, exp_quantize, pack_nibbles
+    rng = np.random.default_rng(5)
+    emax = 127 if bits == 8 else 7
+    tiny = math.ldexp(1.0, emax + 53)
+    quant = exp_quantize_dequant8_range if bits == 8 else exp_quantize_dequant4_range
+    deq = exp_dequantize8_range if bits == 8 else exp_dequantize4_range
+    for n in (1, 2, 7, 1000, 1001, 65_537):
+        for dtype in (np.float32, np.float64):
+            x = (rng.standard_normal(n) * np.exp(rng.standard_normal(n) * 6)).astype(dtype)
+            x[1::13] = 0.0
+            norm = float(np.abs(x).max())
+            scale, d_scale = 2.0 ** -4 / norm, norm * 2.0 ** 4
+            local = np.empty(n, dtype)
+            codes = exp_quantize_dequant(x, scale, bits, 99, d_scale, local)
+            ref = exp_quantize(x, scale, bits, 99)
+            assert np.array_equal(codes, ref if bits == 8 else pack_nibbles(ref)), (n, dtype)
+            ref_local = exp_dequantize(ref, d_scale, bits, dtype)
+            assert np.array_equal(local.view(np.uint8), ref_local.view(np.uint8)), (n, dtype)
+            out = np.empty(n, dtype)
+            deq(codes, d_scale, out, 0, codes.size)
+            assert np.array_equal(out.view(np.uint8), ref_local.view(np.uint8))
+            cuts = sorted({0, codes.size, *rng.integers(0, codes.size + 1, 4).tolist()})
+            c2, l2, o2 = np.zeros_like(codes), np.empty(n, dtype), np.empty(n, dtype)
+            for lo, hi in zip(cuts[:-1], cuts[1:]):
+                quant(x, scale, emax, tiny, np.uint64(99), d_scale, c2, l2, lo, hi)
+                deq(codes, d_scale, o2, lo, hi)
+            assert np.array_equal(c2, codes) and np.array_equal(l2, local) and np.array_equal(o2, out)
+            if bits == 4:   # codes only, without ``local``
+                c3 = np.zeros_like(codes)
+                for lo, hi in zip(cuts[:-1], cuts[1:]):
+                    exp_quantize4_packed_range(x, scale, emax, tiny, np.uint64(99), c3, lo, hi)
+                assert np.array_equal(c3, codes)
+
+
+def test_ring_segments_cover_blocks():
+    from horovod_compress.mpi_collectives.reduce_ops import ring_segments
+    for size, seg in ((0, 4), (1, 4), (10, 4), (1 << 20, 1 << 18), (1_000_003, 1 << 16)):
+        parts = ring_segments(size, 17, seg)
+        assert parts[0][0] == 17 and parts[-1][1] == 17 + size
+        assert all(a[1] == b[0] for a, b in zip(parts[:-1], parts[1:]))
+        assert all(hi - lo <= seg for lo, hi in parts)

@@ -35,6 +35,13 @@ rounds up to 1 -- which the code saturates at 1/2 -- improbable for any
 reduction order: by Doob's inequality at most 2^-(headroom+1) per element
 whose inputs all sit at the norm with one sign.
 
+Large payloads (>= ``ring_min_bytes``, on the mpi4py Communicator) take a
+pipelined ring instead (:func:`reduce_ops.ring_reduce_once`): the same
+reduce-scatter + allgather on point-to-point segments, Algorithm 2 called
+directly on each received segment (random word of payload byte i = word i of
+the rank's reduce stream), quantization of the next blocks and dequantization
+of finished ones run while segments are on the wire.
+
 Effective level counts (the paper's s, levels 1, 1/2, ..., 2^-(s-1), 0 of y):
 exponential s = emax - c + 1 (8-bit: 127 - c + 1; 4-bit: 7 - c + 1).
 
@@ -71,11 +78,20 @@ import numpy as np
 
 from ..kernels import dispatch
 from ..kernels.arrays import as_module_array, get_array_module, to_host
+from ..kernels.exp_reduce import exp_reduce4_range, exp_reduce8_range
+from ..kernels.qsgd_fused import (
+    exp_dequantize4_range,
+    exp_dequantize8_range,
+    exp_quantize4_packed_range,
+    exp_quantize_dequant,
+    exp_quantize_dequant4_range,
+    exp_quantize_dequant8_range,
+)
 from ..kernels.quantize import (
     abs_max,
     exp_code_layout,
     exp_dequantize,
-    exp_dequantize_into,
+    exp_quantize_range,
     linear_dequantize,
     linear_dequantize_into,
     linear_quantize,
@@ -141,8 +157,8 @@ class GlobalQSGD(Method):
 
     def __init__(self, *, dithering: str = "exponential", bits: int = 8, norm: str = "inf",
                  sparse: bool | str = False, headroom: int | None = None,
-                 feedback: str | None = None, warmup_steps: int = 0, seed: int = 0,
-                 **feedback_params: Any) -> None:
+                 pipeline: bool = True, feedback: str | None = None, warmup_steps: int = 0,
+                 seed: int = 0, **feedback_params: Any) -> None:
         self.dithering = check_choice(self.name, "dithering", dithering, ["exponential", "linear"])
         self.bits = check_int(self.name, "bits", bits, 4, 8)
         self.bits = check_choice(self.name, "bits", self.bits, [8, 4])
@@ -156,13 +172,17 @@ class GlobalQSGD(Method):
             self.name, "headroom", headroom, 0, emax - 3)
         if self.dithering == "linear" and headroom not in (None, 0):
             raise ValueError("global_qsgd: headroom applies to dithering='exponential' only")
+        if not isinstance(pipeline, (bool, np.bool_)):
+            raise ValueError(f"global_qsgd: pipeline must be True or False, got {pipeline!r}")
+        self.pipeline = bool(pipeline)
         super().__init__(feedback=feedback, warmup_steps=warmup_steps, seed=seed, **feedback_params)
         self.horovod_compatible = (self.dithering == "linear" and self.bits == 8
                                    and self.sparse is False)
 
     def params(self) -> dict[str, Any]:
         return {"dithering": self.dithering, "bits": self.bits, "norm": self.norm,
-                "sparse": self.sparse, "headroom": self.headroom, **self.feedback.params()}
+                "sparse": self.sparse, "headroom": self.headroom, "pipeline": self.pipeline,
+                **self.feedback.params()}
 
     # ------------------------------------------------------------- planning
     def plan(self, world_size: int, sparse: bool = False) -> dict[str, int]:
@@ -255,20 +275,122 @@ class GlobalQSGD(Method):
                 total = self._linear_allreduce(q, comm)
                 avg = dispatch.call("linear_dequantize", total, d_scale / p, flat.dtype)
         else:
-            codes = dispatch.call("exp_quantize", flat, q_scale, self.bits, key)
-            if xp is np:   # into a reused buffer: ``local`` is consumed within the call
+            if xp is np and not sparse and self._use_ring(comm, self.payload_bytes(flat.size)):
+                rkey = self.stream_key(name, state.t, comm.rank, "reduce")
+                avg, local = self._exp_ring(flat, q_scale, d_scale, key, rkey, comm, name, state)
+                return avg.reshape(x.shape), None if local is None else local.reshape(x.shape)
+            if xp is np:   # packed codes and ``local`` (into a reused buffer) in one pass
                 local = self._local_buffer(name, flat)
-                exp_dequantize_into(codes, float(d_scale), exp_code_layout(self.bits)[0], local)
+                payload = exp_quantize_dequant(flat, q_scale, self.bits, key, float(d_scale), local)
+                codes = payload if self.bits == 8 else None
             else:
+                codes = dispatch.call("exp_quantize", flat, q_scale, self.bits, key)
                 local = dispatch.call("exp_dequantize", codes, d_scale, self.bits, flat.dtype)
+                payload = codes if self.bits == 8 else dispatch.call("pack_nibbles", codes)
             if sparse:
+                if codes is None:
+                    codes = unpack_nibbles(payload, flat.size)
                 avg = (as_module_array(self._sparse_sum(to_host(codes), comm), xp)
                        * (d_scale / p)).astype(flat.dtype)
             else:
                 rkey = self.stream_key(name, state.t, comm.rank, "reduce")
-                total_codes = self._exp_allreduce(codes, comm, rkey, state)
+                total_codes = self._exp_allreduce(payload, flat.size, comm, rkey, state)
                 avg = dispatch.call("exp_dequantize", total_codes, d_scale / p, self.bits, flat.dtype)
         return avg.reshape(x.shape), local.reshape(x.shape)
+
+    #: Payloads of at least this many bytes take the pipelined ring (:meth:`_exp_ring`) on an
+    #: mpi4py Communicator; smaller ones MPI's reduce-scatter with the operator (fewer rounds).
+    ring_min_bytes: int = 1 << 16
+
+    def _use_ring(self, comm: Any, payload: int) -> bool:
+        """Whether the exponential payload goes through :func:`reduce_ops.ring_reduce_once`.
+
+        With ``pipeline`` (default), only on the mpi4py :class:`Communicator`
+        itself (not torch.distributed, not a lockstep proxy, whose collectives
+        are fused by call), P > 1,
+        payload >= :attr:`ring_min_bytes`, and 8-bit codes only: a ring adds
+        each block's codes in a chain, ((c1 + c2) + c3) + ..., and a chain's
+        partial sum can round up past 1/2 even with the 2P pre-division
+        (1/4 + 1/8 -> 1/2, then 1/2 + 1/8 -> 1 with probability 1/4); at 8 bits
+        the 16 bits of headroom make that improbable (none in the tests), at
+        4 bits (headroom 0) it saturates (measured: 323 elements over 200
+        seeds at P = 4, d = 2048), so 4-bit codes stay on MPI's reduce-scatter.
+        """
+        if (not self.pipeline or self.bits != 8 or comm.size < 2
+                or payload < self.ring_min_bytes):
+            return False
+        from ..mpi_collectives.communicator import Communicator
+        return type(comm) is Communicator
+
+    def _exp_ring(self, flat: np.ndarray, q_scale: float, d_scale: float, key: np.uint64,
+                  rkey: np.uint64, comm: Any, name: str,
+                  state: TensorState) -> tuple[np.ndarray, np.ndarray | None]:
+        """Exponential dithering through the pipelined ring: (avg, local), one pass each;
+        ``local`` is None when the feedback scheme does not read it (``uses_local``).
+
+        Rank r quantizes its blocks in the order the ring needs them (the codes
+        are those of the one-shot kernel: element i uses word i of ``key``),
+        reduces received partial sums with Algorithm 2 of the paper (section
+        4.3) as soon as each segment arrives, and dequantizes every finished
+        segment of the sum, avg = d_scale / P * sum_i 2^-e (equation 1), while
+        the rest is in flight. The reduction's random word for payload byte i
+        on rank r is word i (8-bit) or 2i, 2i+1 (4-bit nibbles) of stream
+        ``rkey`` (rank-specific): each rank reduces each byte at most once, so
+        all words are distinct draws, and the result does not depend on how
+        MPI splits the buffer. Bytes and rounds as MPI's reduce-scatter +
+        allgather(v): 2N(P-1)/P each way. Handles 4-bit packed codes too, but
+        :meth:`_use_ring` sends only 8-bit ones here (chain order, see there).
+        """
+        from ..mpi_collectives.reduce_ops import ring_reduce_once
+        x = np.ascontiguousarray(flat)
+        n, p = x.size, comm.size
+        need_local = self.feedback.uses_local   # else ``local`` is None: one pass less
+        local = self._local_buffer(name, flat) if need_local else None
+        avg = np.empty(n, dtype=flat.dtype)
+        nbytes = self.payload_bytes(n)
+        own, total, partial, mine = self._ring_buffers(name, nbytes)
+        _, emax = exp_code_layout(self.bits)
+        tiny = math.ldexp(1.0, emax + 53)
+        scale = float(q_scale) if q_scale >= 0.0 else 0.0
+        dq, dsum = float(d_scale), float(d_scale / p)
+        quant = exp_quantize_dequant8_range if self.bits == 8 else exp_quantize_dequant4_range
+        deq = exp_dequantize8_range if self.bits == 8 else exp_dequantize4_range
+        red = exp_reduce8_range if self.bits == 8 else exp_reduce4_range
+        k, rk, zero = np.uint64(key), np.uint64(rkey), np.uint64(0)
+
+        if need_local:
+            def produce(lo: int, hi: int) -> None:
+                quant(x, scale, emax, tiny, k, dq, own, local, lo, hi)
+        elif self.bits == 8:
+            def produce(lo: int, hi: int) -> None:
+                exp_quantize_range(x, scale, emax, 128, tiny, k, own, lo, hi)
+        else:
+            def produce(lo: int, hi: int) -> None:
+                exp_quantize4_packed_range(x, scale, emax, tiny, k, own, lo, hi)
+
+        def reduce(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int) -> int:
+            return red(a, b, out, rk, zero, lo, hi)
+
+        def consume(lo: int, hi: int) -> None:
+            deq(total, dsum, avg, lo, hi)
+
+        with comm.phase("global_qsgd.payload"):
+            _, saturated = ring_reduce_once(comm, nbytes, produce, own, reduce, consume,
+                                            result=total, scratch=(partial, mine))
+        if saturated:
+            state["saturated"] = int(state.get("saturated", 0)) + saturated
+        return avg, local
+
+    def _ring_buffers(self, name: str, nbytes: int) -> list[np.ndarray]:
+        """Four uint8 buffers of ``nbytes`` for :meth:`_exp_ring` (own codes, result, received
+        and forwarded partial sums), reused per tensor: all are consumed within the call, and
+        fresh ones would cost a page fault per 4 KiB each step. Not checkpointed."""
+        bufs = self.__dict__.setdefault("_ring_scratch", {})
+        got = bufs.get(name)
+        if got is None or got[0].size != nbytes:
+            got = [np.empty(nbytes, dtype=np.uint8) for _ in range(4)]
+            bufs[name] = got
+        return got
 
     def _local_buffer(self, name: str, flat: np.ndarray) -> np.ndarray:
         """A per-tensor float buffer for ``local`` (this rank's dequantized message), reused.
@@ -315,23 +437,23 @@ class GlobalQSGD(Method):
                                     get_array_module(q))
         return dispatch.call("unpack_nibbles", total, q.size, True)
 
-    def _exp_allreduce(self, codes: np.ndarray, comm: Any, rkey: np.uint64,
+    def _exp_allreduce(self, payload: np.ndarray, n: int, comm: Any, rkey: np.uint64,
                        state: TensorState) -> np.ndarray:
-        """Exponential codes reduced by Algorithm 2 inside a reduce-scatter + allgatherv.
+        """Exponential codes (``payload``: 8-bit, or 4-bit packed, of ``n`` elements) reduced by
+        Algorithm 2 inside a reduce-scatter + allgatherv; returns the ``n`` unpacked codes.
 
         The operator MPI calls is a Python callback on host memory, so GPU
         codes (1 byte or half a byte per element, a quarter or an eighth of
         the gradient) are copied to the host for the reduction and back.
         """
         from ..mpi_collectives.reduce_ops import reduce_stream
-        payload = codes if self.bits == 8 else dispatch.call("pack_nibbles", codes)
         with reduce_stream(int(rkey)) as stream, comm.phase("global_qsgd.payload"):
             total = comm.allreduce_custom(to_host(payload), f"exp{self.bits}")
             saturated = stream.saturated
         if saturated:
             state["saturated"] = int(state.get("saturated", 0)) + saturated
-        total = as_module_array(total, get_array_module(codes))
-        return total if self.bits == 8 else dispatch.call("unpack_nibbles", total, codes.size)
+        total = as_module_array(total, get_array_module(payload))
+        return total if self.bits == 8 else dispatch.call("unpack_nibbles", total, n)
 
     def _sparse_sum(self, codes: np.ndarray, comm: Any) -> np.ndarray:
         """Allgather (index, code) of the nonzeros; every rank sums all of them in float64.

@@ -40,8 +40,8 @@ Speed: the element functions (:func:`linear_level`, :func:`exp_code`) are
 branch-free and read the exponent and mantissa from the float64 bit pattern
 (:func:`float64_bits`, no ``frexp``), and the loops advance the generator's
 Weyl state by one addition per element (:func:`word_state`), so LLVM
-vectorises them (8 lanes with AVX-512, SplitMix64's two multiplies as
-``vpmullq``); the same decisions as the scalar definition, bit for bit (the
+vectorises them (4 lanes: LLVM's tuning for this CPU prefers 256-bit vectors even
+with AVX-512, whose ``vpmullq`` does SplitMix64's two multiplies); the same decisions as the scalar definition, bit for bit (the
 GPU kernels in ``gpu/quantize.py`` still use ``frexp`` and agree).
 
 Packing: 4-bit codes go two per byte, element 2j in the low nibble and 2j+1 in

@@ -94,7 +94,20 @@ STAT_CONFIGS = {
     "lin8_inf": dict(dithering="linear"),
     "lin8_l2": dict(dithering="linear", norm="l2"),
     "lin4_inf": dict(dithering="linear", bits=4),
+    # the pipelined ring (reduce_ops.ring_reduce_once, 8-bit only), forced at this small size
+    "exp8_inf_ring": dict(ring=True),
+    "exp8_l2_ring": dict(norm="l2", ring=True),
 }
+
+
+def _global_qsgd(**kw):
+    """``Compression.global_qsgd(**kw)``; ``ring=True`` forces the pipelined ring at any size,
+    ``ring=False`` MPI's reduce-scatter with the operator."""
+    ring = kw.pop("ring", None)
+    method = hvdc.Compression.global_qsgd(**kw)
+    if ring is not None:
+        method.ring_min_bytes = 0 if ring else 1 << 62
+    return method
 
 
 def case_statistics(comm):
@@ -113,7 +126,7 @@ def case_statistics(comm):
         results = np.empty((T, D))
         saturated = 0
         for k in range(T):
-            method = hvdc.Compression.global_qsgd(seed=k, **kw)
+            method = _global_qsgd(seed=k, **kw)
             r = method.allreduce(x, "g", comm)
             assert r.dtype == np.float32
             if k < 3:
@@ -176,8 +189,9 @@ def case_bytes(comm):
     for n in (4096, 1001):
         x = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
         for label, kw in {"exp8": {}, "exp4": {"bits": 4}, "lin8": {"dithering": "linear"},
-                          "lin4": {"dithering": "linear", "bits": 4}}.items():
-            method = hvdc.Compression.global_qsgd(**kw)
+                          "lin4": {"dithering": "linear", "bits": 4},
+                          "ringexp8": {"ring": True}}.items():
+            method = _global_qsgd(**kw)
             comm.reset_stats()
             method.allreduce(x, "g", comm)
             st = comm.stats()
@@ -355,16 +369,16 @@ def case_reproducible(comm):
     x = _gradient(comm, 777)
     out = {}
     for label, kw in {"exp8": {}, "exp4": {"bits": 4}, "lin8": {"dithering": "linear"},
-                      "sparse": {"sparse": True}}.items():
-        a = hvdc.Compression.global_qsgd(seed=3, **kw)
-        b = hvdc.Compression.global_qsgd(seed=3, **kw)
-        c = hvdc.Compression.global_qsgd(seed=4, **kw)
+                      "sparse": {"sparse": True}, "ring8": {"ring": True}}.items():
+        a = _global_qsgd(seed=3, **kw)
+        b = _global_qsgd(seed=3, **kw)
+        c = _global_qsgd(seed=4, **kw)
         ra = [a.allreduce(x, "g", comm) for _ in range(3)]
         rb = [b.allreduce(x, "g", comm) for _ in range(3)]
         rc = c.allreduce(x, "g", comm)
         ckpt = a.state_dict()
         next_a = a.allreduce(x, "g", comm)
-        d = hvdc.Compression.global_qsgd(seed=3, **kw)
+        d = _global_qsgd(seed=3, **kw)
         d.load_state_dict(ckpt)
         next_d = d.allreduce(x, "g", comm)
         out[label] = {
@@ -377,10 +391,30 @@ def case_reproducible(comm):
     return out
 
 
+def case_ring(comm):
+    """The pipelined ring at its default threshold on a large gradient (several segments per
+    block): the same bytes as MPI's reduce-scatter path, identical bits on every rank, other
+    random words than the MPI operator's stream (so it did run), the same accuracy."""
+    n = 2_100_001
+    x = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
+    true = comm.allgather(x).astype(np.float64).mean(0)
+    out = {}
+    for label, ring in (("ring", True), ("mpi", False)):
+        m = hvdc.Compression.global_qsgd(seed=5, pipeline=ring)
+        comm.reset_stats()
+        r = m.allreduce(x, "big", comm)
+        out[label] = {"payload": comm.stats()["by_phase"]["global_qsgd.payload"]["sent"],
+                      "same_on_ranks": _same_on_all_ranks(comm, r),
+                      "rel_err": float(np.linalg.norm(r - true) / np.linalg.norm(true)),
+                      "digest": _digest(r), "saturated": int(m.state["big"].get("saturated", 0))}
+    out["expected_payload"] = 2.0 * n * (comm.size - 1) / comm.size
+    return out
+
+
 def case_float64_and_shapes(comm):
     """float64 and 2-D inputs keep dtype and shape; 1-element and odd sizes work at 4 bits."""
-    for kw in ({}, {"bits": 4}, {"dithering": "linear", "bits": 4}):
-        m = hvdc.Compression.global_qsgd(**kw)
+    for kw in ({}, {"bits": 4}, {"dithering": "linear", "bits": 4}, {"ring": True}):
+        m = _global_qsgd(**kw)
         x = np.random.default_rng(comm.rank).standard_normal((7, 5))
         r = m.allreduce(x, "w", comm)
         assert r.shape == (7, 5) and r.dtype == np.float64
