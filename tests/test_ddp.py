@@ -158,3 +158,32 @@ def test_hvdc_train_torchrun_launcher(tmp_path):
     res = json.loads((tmp_path / "results.json").read_text())
     assert [r["method"] for r in res] == ["topk"] and res[0]["world_size"] == 2, res
     assert res[0]["launcher"] == "torchrun" and res[0]["compression_ratio"] > 2, res
+
+
+def test_ddp_e2e_variants_and_page(tmp_path):
+    """The DDP benchmark's variant syntax (``all``, ``hvdc_<method>:{json}``), its page and plot."""
+    pytest.importorskip("matplotlib")
+    from horovod_compress.bench import ddp_e2e
+
+    everything = ddp_e2e.split_variants(ddp_e2e.expand_variants("all"))
+    assert everything[:3] == ["ddp_dense", "torch_powerSGD_hook", "hvdc_powersgd"]
+    assert len(everything) == 2 + len(ddp_e2e.ALL_HOOKS) and len(set(everything)) == len(everything)
+    assert ddp_e2e.split_variants('ddp_dense,hvdc_topk:{"density": 0.01, "warmup_steps": 0}') == \
+        ["ddp_dense", 'hvdc_topk:{"density": 0.01, "warmup_steps": 0}']
+    assert ddp_e2e.parse_variant("hvdc_powersgd", 4) == ("powersgd", {"warmup_steps": 2, "rank": 4})
+    assert ddp_e2e.parse_variant('hvdc_topk:{"density": 0.01}', 4) == \
+        ("topk", {"density": 0.01, "warmup_steps": 1})
+    assert ddp_e2e.parse_variant("hvdc_none", 4) == ("none", {})   # takes no warmup_steps
+    res = {"world_size": 2, "model": "tiny", "rank": 4, "threads": 1, "bandwidth": "1gbit",
+           "hosts": 2, "date": "now", "steps_per_round": 1, "load": [1.0, 2.0], "cores": 2,
+           "variants": {"ddp_dense": {"median_s": 0.4, "p25_s": 0.39, "p75_s": 0.41, "steps": 3,
+                                      "hook_median_s": None},
+                        "torch_powerSGD_hook": {"median_s": 0.2, "p25_s": 0.19, "p75_s": 0.21,
+                                                "steps": 3, "hook_median_s": 0.1},
+                        "hvdc_powersgd": {"median_s": 0.16, "p25_s": 0.15, "p75_s": 0.17,
+                                          "steps": 3, "hook_median_s": 0.08, "compression": 54.1}}}
+    page = ddp_e2e.render(res)
+    assert "| hvdc_powersgd | 160.0 | 150.0–170.0 | 80.0 | 2.50x | 0.80 | 54.1x | 3 |" in page, page
+    assert "| ddp_dense | 400.0 | 390.0–410.0 | - | 1.00x | 2.00 | - | 3 |" in page, page
+    assert "before / after: 1.00 / 2.00" in page
+    assert ddp_e2e.plot(res, tmp_path / "p.png").stat().st_size > 1000

@@ -39,17 +39,38 @@ front-end supplies: importing :mod:`horovod_compress.torch` registers it in
 the default ``q_init="shared"`` draws ``Q`` from this package's shared seed
 (``Method.rng``) with NumPy alone.
 
+A DDP bucket at once (:meth:`PowerSGD.allreduce_many`, what the DDP comm
+hook calls): the same computation for every tensor of the bucket, with the
+collectives of each step fused across the bucket -- all ``M_i Q`` and the
+tensors sent dense in one allreduce, all ``M_i^T P`` in the next -- as the
+paper's Section 4 and ``powerSGD_hook`` pack them; no collective and no
+thread per tensor. The estimate ``P Q^T`` and the new error ``M_i - P Q^T``
+are one pass (:func:`~horovod_compress.kernels.powersgd.low_rank_product`,
+used by both paths, so they agree bit for bit on 2 ranks).
+
 Deviation: the hook's error for a tensor sent dense is ``x_i - avg`` (it
 subtracts the averaged bucket); here a dense tensor leaves no error. Both give
 the same averages (those errors sum to zero over ranks).
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .base import Method, TensorState
+from ..kernels.arrays import is_gpu_array
+from ..kernels.powersgd import fits, low_rank_product
+from ..mpi_collectives.lockstep import Lockstep, fused_allreduce, fused_check_allgather
+from ..runtime import world as _world
+from ..runtime.consistency import (
+    NEW_SIGNATURE,
+    NONFINITE,
+    TensorMismatchError,
+    check_comm,
+    describe_signatures,
+    signature_digest,
+)
+from .base import _MAX_SIGNATURES, Method, TensorState, _finite, _move_state
 from .lowrank_common import (
     check_bool,
     check_min_rate,
@@ -68,6 +89,28 @@ from .registry import register
 #: ``q_init`` sources beyond ``"shared"``: name -> ``draw(seed, cols, r, dtype)``
 #: returning a (cols x r) standard-normal array. :mod:`horovod_compress.torch`
 #: registers ``"torch"`` (``torch.manual_seed(seed); torch.randn(1, cols, r)``).
+_BATCHED_FEEDBACK = ("none", "residual")
+
+
+class _Job:
+    """One tensor's PowerSGD step between its messages (``mat is None``: sent dense)."""
+
+    __slots__ = ("x", "name", "state", "mat", "send", "p")
+
+    def __init__(self, x: np.ndarray, name: str, state: TensorState) -> None:
+        self.x, self.name, self.state = x, name, state
+        self.mat: np.ndarray | None = None
+        self.send: np.ndarray | None = None
+        self.p: np.ndarray | None = None
+
+
+def _put(out: Any, avg: Any) -> Any:
+    """``avg`` written into ``out`` (unless it already is ``out``); returns ``out``."""
+    if avg is not out:
+        out[...] = avg.reshape(out.shape)
+    return out
+
+
 Q_SOURCES: dict[str, Callable[[int, int, int, np.dtype], np.ndarray]] = {}
 
 
@@ -122,8 +165,13 @@ class PowerSGD(Method):
                                "import horovod_compress.torch first (the core does not import torch)")
         return draw(int(self._torch_rng.randint(1_000_000_000)), cols, r, dtype)
 
-    def _reduce(self, x: np.ndarray, name: str, comm: Any,
-                state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+    def _start(self, x: np.ndarray, name: str, state: TensorState) -> "_Job":
+        """Algorithm 1 up to the first message: the matrix view, ``Q`` (orthogonalized), ``M Q``.
+
+        A tensor the min-compression-rate rule leaves dense gets a job with
+        ``mat is None`` (it is averaged with one dense allreduce of ``x``).
+        """
+        job = _Job(x, name, state)
         mat = compressed_matrix(x, self.rank, self.min_compression_rate)
         fresh = not self.warm_start or "Q" not in state
         if mat is None:
@@ -131,8 +179,7 @@ class PowerSGD(Method):
                 self._torch_rng.randint(1_000_000_000)  # the hook draws for every bucket
                 if self.warm_start:
                     state["Q"] = np.zeros((0, 0), dtype=x.dtype)
-            avg = comm.allreduce(x, op="avg")
-            return avg, x
+            return job
         rows, cols = mat.shape
         r = effective_rank(rows, cols, self.rank)
         q = None if fresh else state["Q"]
@@ -141,15 +188,217 @@ class PowerSGD(Method):
         else:
             q = q.copy()
         orthogonalize(q, self.orthogonalization_epsilon)
-        with comm.phase("powersgd.P"):
-            p = comm.allreduce(mat @ q, op="sum")
+        job.mat = mat
+        job.send = mat @ q                  # P_i = M_i Q, summed over ranks next
+        return job
+
+    def _after_p(self, job: "_Job", p: np.ndarray) -> np.ndarray:
+        """``P = orth(sum_i M_i Q)``; returns this rank's ``M_i^T P`` (averaged over ranks next)."""
         orthogonalize(p, self.orthogonalization_epsilon)
-        with comm.phase("powersgd.Q"):
-            q = comm.allreduce(mat.T @ p, op="avg")
+        job.p = p
+        return job.mat.T @ p
+
+    def _finish(self, job: "_Job", q: np.ndarray, out: np.ndarray | None = None,
+                acc: np.ndarray | None = None) -> np.ndarray:
+        """``Q = avg_i M_i^T P`` (kept for the warm start); the estimate ``P Q^T`` in ``x``'s shape.
+
+        ``out`` (optional, C-contiguous, ``x``'s size and dtype) receives the
+        estimate; ``acc`` (optional, the compressed ``M_i`` of error feedback)
+        becomes the new error ``M_i - P Q^T`` in the same pass
+        (:func:`~horovod_compress.kernels.powersgd.low_rank_product`, the one
+        implementation of ``P Q^T`` here, so both paths give the same bits).
+        """
         if self.warm_start:
-            state["Q"] = q
-        avg = (p @ q.T).reshape(x.shape)
+            job.state["Q"] = q
+        shape = job.mat.shape
+        if out is None:
+            out = np.empty(shape, dtype=job.mat.dtype)
+        target = out.reshape(shape)
+        if fits(job.p, q, target) and (acc is None or fits(target, acc)):
+            low_rank_product(job.p, q, target, None if acc is None else acc.reshape(shape))
+        else:
+            np.matmul(job.p, q.T, out=target)
+            if acc is not None:
+                np.subtract(acc, out.reshape(acc.shape), out=acc)
+        return out.reshape(job.x.shape)
+
+    def _reduce(self, x: np.ndarray, name: str, comm: Any,
+                state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+        job = self._start(x, name, state)
+        if job.mat is None:
+            avg = comm.allreduce(x, op="avg")
+            return avg, x
+        with comm.phase("powersgd.P"):
+            p = comm.allreduce(job.send, op="sum")
+        q_local = self._after_p(job, p)
+        with comm.phase("powersgd.Q"):
+            q = comm.allreduce(q_local, op="avg")
+        avg = self._finish(job, q)
         return avg, avg
+
+    # ------------------------------------------------- a DDP bucket at once
+    def can_reduce_many(self, arrays: Sequence[Any], comm: Any) -> bool:
+        """Whether :meth:`allreduce_many` fuses ``arrays`` on ``comm`` (else it runs them one by one).
+
+        Needs a communicator that accounts fused calls per original call
+        (``Lockstep.supports``: the torch.distributed backend), more than one
+        rank, host (NumPy) arrays and feedback ``none`` or ``residual``.
+        """
+        return (getattr(comm, "size", 1) > 1 and Lockstep.supports(comm)
+                and self.feedback.name in _BATCHED_FEEDBACK
+                and not any(is_gpu_array(a) for a in arrays))
+
+    def allreduce_many(self, grads: Sequence[np.ndarray], names: Sequence[str], comm: Any,
+                       out: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+        """:meth:`Method.allreduce` of every ``(grads[k], names[k])``, with one fused collective per round.
+
+        The same per-tensor computation as calling ``allreduce`` on each
+        tensor in order -- Algorithm 1 of Vogels et al., "PowerSGD: Practical
+        Low-Rank Gradient Compression for Distributed Optimization" (NeurIPS
+        2019), with its error feedback, warm start and PyTorch's
+        min-compression-rate rule; the same random draws in the same order,
+        the same state and byte counts (per tensor and phase) -- but, as in
+        that paper's Section 4 ("we pack all the P matrices of the layers into
+        one buffer") and PyTorch's ``powerSGD_hook``, without a collective per
+        tensor. Three rounds on one thread:
+
+        1. one allgather of n bytes on the check group: for every tensor, each
+           rank's "not finite" / "new signature" flag (``runtime.consistency``;
+           then one allgather of the new signatures' 16-byte digests);
+        2. one allreduce (sum) of every ``P_k = M_k Q_k`` concatenated with every
+           tensor sent dense (warm-up steps, vectors, matrices the rule leaves
+           dense; their averages are that sum divided by P);
+        3. one allreduce of every ``M_k^T orth(P_k)``; then ``avg_k = P_k Q_k^T``.
+
+        On 2 ranks the results equal the one-by-one calls bit for bit (every
+        element is one addition either way); on more, a fused float sum may
+        differ in the last bits. ``out``: arrays of the grads' shapes that
+        receive the averages (the DDP bucket's gradient views; a compressed
+        matrix's ``P Q^T`` is computed straight into it); then ``out[k]`` is
+        returned. ``out[k]`` may be ``grads[k]`` itself. Falls back to one
+        ``allreduce`` per tensor where :meth:`can_reduce_many` is false.
+        """
+        grads = [np.asarray(g) if not is_gpu_array(g) else g for g in grads]
+        names = list(names)
+        if len(grads) != len(names) or (out is not None and len(out) != len(grads)):
+            raise ValueError(f"{self.name}: allreduce_many needs one name (and out array) per "
+                             f"gradient, got {len(grads)} gradients, {len(names)} names"
+                             + ("" if out is None else f", {len(out)} out arrays"))
+        if not self.can_reduce_many(grads, comm):
+            results = [self.allreduce(g, nm, comm) for g, nm in zip(grads, names)]
+            return results if out is None else [_put(o, r) for o, r in zip(out, results)]
+        if not getattr(_world, "_AUTO_DONE", True):
+            _world.ensure_abort_on_exception(comm)
+        n = len(grads)
+        xs, sigs, flags = [], [], np.zeros(n, dtype=np.uint8)
+        for k, (g, nm) in enumerate(zip(grads, names)):
+            in_dtype = np.dtype(g.dtype)
+            x = g.astype(self._work_dtype(in_dtype), copy=False)
+            sig = self._signature(g, in_dtype, nm)
+            flags[k] = ((NONFINITE if not _finite(x) else 0)
+                        | (NEW_SIGNATURE if sig not in self._signatures else 0))
+            xs.append(x)
+            sigs.append(sig)
+        # round 1: every tensor's agreement byte in one allgather (P x n)
+        all_flags = fused_check_allgather(comm, [flags])[0]
+        new = [k for k in range(n) if (all_flags[:, k] & NEW_SIGNATURE).any()]
+        if new:
+            digests = fused_check_allgather(comm, [signature_digest(sigs[k]) for k in new])
+            for k, d in zip(new, digests):
+                if not (d == d[0]).all():
+                    raise TensorMismatchError(describe_signatures(
+                        check_comm(comm).allgather(sigs[k])))
+            for k in new:
+                if len(self._signatures) >= _MAX_SIGNATURES:
+                    self._signatures.clear()
+                self._signatures.add(sigs[k])
+        results: list[Any] = [None] * n
+        jobs: list[tuple[int, str, Any, Any]] = []   # (k, kind, job or x, acc)
+        first_error: BaseException | None = None
+        skipped = False
+        dense_phase = getattr(comm, "_phase", None)
+        send_b: list[tuple[np.ndarray, str, str | None]] = []
+        residual = self.feedback.name == "residual"
+        for k in range(n):
+            x, nm = xs[k], names[k]
+            bad = all_flags[:, k] & NONFINITE
+            skipped = False
+            if bad.any():               # Method's NaN/Inf policy, on every rank alike
+                self.last_step_skipped = False
+                try:
+                    results[k] = self._nonfinite_step(x, grads[k], np.dtype(grads[k].dtype), nm,
+                                                      comm, [int(r) for r in np.flatnonzero(bad)])
+                    skipped = self.last_step_skipped
+                except Exception as exc:  # noqa: BLE001 - raised after the others, as in lockstep
+                    if first_error is None:
+                        first_error = exc
+                continue
+            st = self.state.setdefault(nm, TensorState())
+            _move_state(st, np)
+            st["t"] = st.t + 1
+            if st.t <= self.warmup_steps:
+                jobs.append((k, "warm", x, None))
+                send_b.append((x, "avg", dense_phase))
+                continue
+            if residual:                # EF: compress acc = x + e (into e's buffer, reused)
+                e = st.get("fb_residual")
+                if isinstance(e, np.ndarray) and e.shape == x.shape and e.dtype == x.dtype \
+                        and e.flags.c_contiguous and e.flags.writeable:
+                    acc = np.add(x, e, out=e)
+                else:
+                    acc = x + e if e is not None and e.shape == x.shape else x.copy()
+            else:
+                acc = x
+            job = self._start(acc, nm, st)
+            if job.mat is None:
+                jobs.append((k, "dense", job, acc))
+                send_b.append((acc, "avg", dense_phase))
+            else:
+                jobs.append((k, "lowrank", job, acc))
+                send_b.append((job.send, "sum", "powersgd.P"))
+        self.last_step_skipped = skipped
+        # round 2: every P (sum) and every dense tensor (avg) in one allreduce
+        got_b = fused_allreduce(comm, send_b)
+        send_c, lowrank, inplace = [], [], set()
+        for (k, kind, job, acc), got in zip(jobs, got_b):
+            if kind == "warm":
+                self.feedback.on_dense_step(job, got, self.state[names[k]])
+                results[k] = got
+            elif kind == "dense":
+                if residual:            # local = acc: nothing left over
+                    np.subtract(acc, acc, out=acc)
+                    job.state["fb_residual"] = acc
+                results[k] = got
+            else:
+                send_c.append((self._after_p(job, got), "avg", "powersgd.Q"))
+                lowrank.append((k, job, acc))
+        # round 3: every M^T P in one allreduce (avg); the estimates P Q^T
+        for (k, job, acc), q in zip(lowrank, fused_allreduce(comm, send_c)):
+            target = out[k] if out is not None else None
+            if target is not None and not (isinstance(target, np.ndarray) and target.dtype == q.dtype
+                                           and target.flags.c_contiguous
+                                           and target.size == job.x.size):
+                target = None
+            # the estimate P Q^T into the bucket and, with feedback, e = acc - P Q^T in one pass
+            avg = self._finish(job, q, target, acc if residual else None)
+            if target is not None:
+                inplace.add(k)
+            if residual:
+                job.state["fb_residual"] = acc
+            results[k] = avg
+        if first_error is not None:
+            raise first_error
+        final = []
+        for k, (g, avg) in enumerate(zip(grads, results)):
+            if k in inplace:
+                final.append(out[k])
+                continue
+            if avg.shape != g.shape:
+                avg = avg.reshape(g.shape)
+            if avg.dtype != g.dtype:
+                avg = avg.astype(g.dtype, copy=False)
+            final.append(avg if out is None else _put(out[k], avg))
+        return final
 
     # ------------------------------------------------------------- volume
     def expected_bytes(self, shape: tuple[int, ...], world_size: int,

@@ -27,11 +27,14 @@ average over ranks in a completed ``torch.futures.Future``:
   own shape -- the per-parameter views PyTorch's ``powerSGD_hook`` uses
   ("PowerSGD: Practical Low-Rank Gradient Compression for Distributed
   Optimization", Vogels et al., NeurIPS 2019, Section 3 / Algorithm 1).
-  The parameters of a bucket run in lockstep
-  (:class:`~horovod_compress.mpi_collectives.lockstep.Lockstep`): their
-  collectives of one round are fused into one call each (all ``P``\ s in one
-  allreduce, as that hook does), with byte counts and results per parameter
-  as in a sequential run (``hook.state.lockstep = False`` runs them one by one).
+  A bucket's collectives of one round are fused into one call each (all
+  ``P``\ s and the tensors sent dense in one allreduce, all ``Q``\ s in the
+  next, as that hook does), with byte counts and results per parameter as in
+  a sequential run (``hook.state.lockstep = False`` runs them one by one).
+  PowerSGD does it itself (``PowerSGD.allreduce_many``: the whole bucket on
+  the hook's thread, the estimates written straight into the bucket); the
+  other matrix methods run in lockstep, one thread per parameter
+  (:class:`~horovod_compress.mpi_collectives.lockstep.Lockstep`).
 
 Everything else is the method's own: error feedback (``feedback=``), warm-up
 (``warmup_steps=``: dense allreduces first, per tensor), the NaN/Inf policy and
@@ -82,6 +85,8 @@ from .optimizer import from_safe_state, to_safe_state
 from .tensors import copy_into, to_array
 
 STATE_VERSION = 1
+_NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
+                 torch.float16: np.dtype(np.float16)}
 _FLAT_PREFIX = "ddp["
 
 
@@ -296,22 +301,35 @@ class HookState:
         self._done_groups.add(key)
 
     def _reduce_matrices(self, grads: list[torch.Tensor], names: tuple[str, ...]) -> None:
-        """A matrix method on each gradient in its own shape, the bucket's in lockstep."""
-        if self.lockstep and Lockstep.supports(self._comm) and len(grads) > 1:
+        """A matrix method on each gradient in its own shape, the bucket's collectives fused.
+
+        A method with a bucket-level path (``allreduce_many``: PowerSGD) runs
+        the whole bucket on this thread, one fused collective per round, and
+        writes the averages straight into the bucket's gradient views; the
+        others run in lockstep (one thread per tensor, the same fusion).
+        """
+        if not (self.lockstep and Lockstep.supports(self._comm)):
+            for grad, name in zip(grads, names):
+                self._reduce_into(grad, name)
+            return
+        xs = [to_array(g) for g in grads]
+        inputs = [np.array(x, copy=True) for x in xs] if self.record is not None else None
+        many = getattr(self.method, "allreduce_many", None)
+        if many is not None and self.method.can_reduce_many(xs, self._comm):
+            outs = many(xs, names, self._comm, out=xs)
+        elif len(grads) > 1:
             if self._lockstep is None:
                 self._lockstep = Lockstep(self._comm)
-            xs = [to_array(g) for g in grads]
-            inputs = [np.array(x, copy=True) for x in xs] if self.record is not None else None
             outs = self._lockstep.run([
                 (lambda c, x=x, name=name: self.method.allreduce(x, name, c))
                 for x, name in zip(xs, names)])
-            for j, (g, name, avg) in enumerate(zip(grads, names, outs)):
-                if inputs is not None:
-                    self.record.append((name, inputs[j], np.array(avg, copy=True)))
-                copy_into(g, avg)
         else:
-            for grad, name in zip(grads, names):
-                self._reduce_into(grad, name)
+            outs = [self.method.allreduce(xs[0], names[0], self._comm)]
+        for j, (g, name, avg) in enumerate(zip(grads, names, outs)):
+            if inputs is not None:
+                self.record.append((name, inputs[j], np.array(avg, copy=True)))
+            if not _is_view_of(avg, g):
+                copy_into(g, avg)
 
     def _end_iteration(self) -> None:
         if not self._deferring and self._iter_groups != self._layout:
@@ -337,6 +355,14 @@ class HookState:
         if self.record is not None:
             self.record[-1] = (name, self.record[-1][1], np.array(avg, copy=True))
         copy_into(tensor, avg)
+
+
+def _is_view_of(array: Any, tensor: torch.Tensor) -> bool:
+    """Whether ``array`` is a NumPy array over exactly ``tensor``'s memory (no copy back needed)."""
+    return (isinstance(array, np.ndarray) and tensor.device.type == "cpu"
+            and array.dtype == _NUMPY_DTYPES.get(tensor.dtype)
+            and tensor.is_contiguous() and array.size == tensor.numel()
+            and array.__array_interface__["data"][0] == tensor.data_ptr())
 
 
 def comm_hook(method: Method, *, model: Any = None, comm: Any = None,

@@ -179,6 +179,8 @@ def run_ddp():
         check(checks, f"lockstep_equals_sequential[{label}]",
               lambda label=label: _lockstep_vs_sequential(label, rank, size, comm))
     check(checks, "powersgd_equals_torch_powerSGD_hook", lambda: _powersgd_vs_torch(rank, comm))
+    check(checks, "powersgd_allreduce_many_equals_one_by_one",
+          lambda: _powersgd_many_vs_one(rank, size, comm))
     for label in ("topk", "powersgd", "arc_topk", "oktopk", "global_qsgd"):
         check(checks, f"checkpoint_round_trip[{label}]",
               lambda label=label: _checkpoint(label, rank, comm))
@@ -215,6 +217,95 @@ def _lockstep_vs_sequential(label, rank, size, comm):
             assert np.array_equal(a.numpy(), b.numpy()), "parameters differ"
         else:
             assert np.allclose(a.numpy(), b.numpy(), rtol=1e-4, atol=1e-6), "parameters differ"
+
+
+def _same(a, b, size):
+    """Bit for bit on 2 ranks (one addition per element). On more, the fused sums add in another
+    order and the power iteration carries the last-bit differences on (orthogonalizing a nearly
+    rank-deficient P amplifies them): the relative L2 distance stays below 1e-3 (float16
+    results, rounded to 11 bits: 1e-2)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if size == 2:
+        return np.array_equal(a, b, equal_nan=True)
+    a64, b64 = np.nan_to_num(a.astype(np.float64)), np.nan_to_num(b.astype(np.float64))
+    tol = 1e-2 if a.dtype == np.float16 else 1e-3
+    return float(np.linalg.norm(a64 - b64)) <= tol * max(float(np.linalg.norm(b64)), 1e-12)
+
+
+def _powersgd_many_vs_one(rank, size, comm):
+    """PowerSGD.allreduce_many (a bucket, one fused collective per round) against allreduce tensor
+    by tensor: the same averages, state (residuals, Q, torch's seed stream), signatures and byte
+    counts per phase -- feedback residual and none, warm start off, q_init='torch', dense warm-up,
+    min_compression_rate=0, float32/float64/float16 inputs, results into given arrays (out=),
+    and the NaN/Inf policies (skip: zeros and a skipped step; raise: the error on every rank)."""
+    import horovod_compress as hvdc
+    from horovod_compress.compressors.base import NonFiniteGradientError
+
+    shapes = [(40, 30), (30,), (8, 3, 3, 3), (5, 5), (64, 16), (1,), (33, 7), (2, 200)]
+    names = [f"t{i}" for i in range(len(shapes))]
+    configs = [dict(rank=2), dict(rank=3, feedback="none"),
+               dict(rank=1, warm_start=False, warmup_steps=1), dict(rank=2, q_init="torch", seed=5),
+               dict(rank=4, min_compression_rate=0.0), dict(rank=2, nonfinite="skip")]
+    for ci, cfg in enumerate(configs):
+        for dtype in (np.float32, np.float64, np.float16):
+            rng = np.random.default_rng(1000 * ci + 7 * rank)
+            many, one = hvdc.Compression.powersgd(**cfg), hvdc.Compression.powersgd(**cfg)
+            for step in range(4):
+                grads = [rng.standard_normal(sh).astype(dtype) for sh in shapes]
+                if cfg.get("nonfinite") == "skip" and step == 2 and rank == size - 1:
+                    grads[4][3, 5] = np.nan
+                comm.reset_stats()
+                if step % 2:
+                    outs = [np.zeros_like(g) for g in grads]
+                    got = many.allreduce_many([g.copy() for g in grads], names, comm, out=outs)
+                    assert all(g is o for g, o in zip(got, outs)), "out= arrays not returned"
+                else:
+                    got = many.allreduce_many([g.copy() for g in grads], names, comm)
+                st_many = comm.stats()
+                comm.reset_stats()
+                want = [one.allreduce(g.copy(), n, comm) for g, n in zip(grads, names)]
+                st_one = comm.stats()
+                where = f"config {cfg} {np.dtype(dtype).name} step {step}"
+                for n, a, b in zip(names, got, want):
+                    assert _same(np.asarray(a), np.asarray(b), size), f"{where}: {n} differs"
+                assert (st_many["sent"], st_many["received"], st_many["by_phase"]) == \
+                    (st_one["sent"], st_one["received"], st_one["by_phase"]), \
+                    f"{where}: bytes {st_many} vs {st_one}"
+                assert many.skipped_steps == one.skipped_steps, where
+                assert many.last_step_skipped == one.last_step_skipped, where
+                sa, sb = _flatten_np(many.state_dict()), _flatten_np(one.state_dict())
+                assert sa.keys() == sb.keys(), f"{where}: state keys {sorted(sa)} vs {sorted(sb)}"
+                for k in sa:
+                    if isinstance(sa[k], np.ndarray):
+                        assert _same(sa[k], sb[k], size), f"{where}: state {k} differs"
+                    else:
+                        assert sa[k] == sb[k], f"{where}: state {k} {sa[k]!r} vs {sb[k]!r}"
+            if cfg.get("nonfinite") == "skip":
+                assert many.skipped_steps == 1, many.skipped_steps
+    # policy "raise": every rank raises, naming the tensor
+    many = hvdc.Compression.powersgd(rank=2)
+    grads = [np.ones(sh, np.float32) for sh in shapes]
+    if rank == 0:
+        grads[2][0, 0, 0, 0] = np.inf
+    try:
+        many.allreduce_many(grads, names, comm)
+    except NonFiniteGradientError as exc:
+        assert "'t2'" in str(exc), exc
+    else:
+        raise AssertionError("no NonFiniteGradientError")
+
+
+def _flatten_np(obj, prefix=""):
+    out = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(_flatten_np(v, f"{prefix}/{k}"))
+    elif isinstance(obj, np.ndarray):
+        out[prefix] = obj
+    else:
+        out[prefix] = obj
+    return out
 
 
 def _powersgd_vs_torch(rank, comm):
