@@ -32,6 +32,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "compute": ("compute", "one compressed allreduce per method on shared memory at P = 1, 2, 4 vs memcpy and dense"),
     "convergence": ("convergence", "accuracy of every method at paper defaults"),
     "deepreduce": ("deepreduce", "DeepReduce: bytes of index/value codecs on Top-k of real gradients"),
+    "ddp-e2e": ("ddp_e2e", "DDP dense vs every method's comm hook (and PyTorch's PowerSGD) on shaped links"),
     "e2e": ("e2e", "training steps of every method on an emulated cluster with shaped links"),
     "hot_path": ("hot_path", "ms of one compressed allreduce vs memcpy and dense"),
     "kernels": ("kernels", "kernel speed vs memcpy and vs the library calls they replace"),

@@ -160,6 +160,14 @@ def test_hvdc_train_torchrun_launcher(tmp_path):
     assert res[0]["launcher"] == "torchrun" and res[0]["compression_ratio"] > 2, res
 
 
+def test_ddp_e2e_is_an_hvdc_bench_command():
+    """``hvdc bench ddp-e2e --help`` reaches the benchmark's own options (nothing is run)."""
+    proc = subprocess.run([sys.executable, "-m", "horovod_compress.cli", "bench", "ddp-e2e", "--help"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "--variants" in proc.stdout and "--bandwidth" in proc.stdout
+
+
 def test_ddp_e2e_variants_and_page(tmp_path):
     """The DDP benchmark's variant syntax (``all``, ``hvdc_<method>:{json}``), its page and plot."""
     pytest.importorskip("matplotlib")

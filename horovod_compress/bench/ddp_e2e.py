@@ -309,8 +309,7 @@ def expand_variants(spec: str) -> str:
                      *(f"hvdc_{m}" for m in ALL_HOOKS if m != "powersgd")])
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--hosts", type=int, default=2)
     ap.add_argument("--bandwidth", default="1gbit")
     ap.add_argument("--cluster", default="hvdcddp", help="emulated cluster name (namespaces <name>-h<i>)")
@@ -328,12 +327,30 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="benchmarks/ddp_e2e.md")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--json", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark (or, with ``--worker``, one rank of it); the exit status."""
     args.variants = expand_variants(args.variants)
     if args.worker:
         _worker(args)
-    else:
-        sys.exit(_run(args))
+        return 0
+    return _run(args)
+
+
+def register_bench(sub: argparse._SubParsersAction) -> None:
+    """``hvdc bench ddp-e2e``: DDP dense vs every comm hook on the emulated cluster."""
+    p = sub.add_parser("ddp-e2e", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter,
+                       help="DDP dense vs PyTorch's PowerSGD hook vs every method's hook on shaped links")
+    _add_arguments(p)
+    p.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_arguments(ap)
+    sys.exit(run(ap.parse_args(argv)))
 
 
 if __name__ == "__main__":
