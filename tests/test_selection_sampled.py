@@ -131,3 +131,49 @@ def test_small_or_degenerate_inputs_fall_back():
     assert topk_candidates(y, 10) is None                       # all zeros: no key >= 1
     z = np.random.default_rng(0).standard_normal(N).astype(np.float32)
     assert topk_candidates(z, 0) is None and topk_candidates(z, N) is None
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_add_topk_writes_the_sum_and_its_exact_topk(kind):
+    """EF14's acc = x + e fused with the selection: acc bit-identical to np.add, the top k exact."""
+    from horovod_compress.kernels.selection import add_topk
+    rng = np.random.default_rng(15)
+    x = _data(kind, N, rng, np.float32)
+    e = (_data("normal", N, rng, np.float32) * np.float32(0.01)).astype(np.float32)
+    for k in (1, N // 100, 5000):
+        acc = np.full(N, np.nan, np.float32)
+        out_idx, out_val = np.empty(k, np.int32), np.empty(k, np.float32)
+        got = add_topk(x, e, acc, k, out_idx, out_val, scratch={})
+        assert np.array_equal(acc, x + e), (kind, k)            # written whole, whatever the bound
+        if got is None:
+            continue
+        ref, _ = _reference(acc, k)
+        assert got == k == ref.size and np.array_equal(out_idx, ref), (kind, k)
+        assert np.array_equal(out_val, acc[out_idx])
+
+
+def test_topk_with_residual_fused_equals_unfused():
+    """TopkA's _reduce_residual (EF14 fused into the selection) gives the unfused outputs and residuals bit for bit."""
+    import horovod_compress as hvdc
+    from horovod_compress.mpi_collectives import Communicator
+    comm = Communicator()
+    rng = np.random.default_rng(16)
+    grads = [rng.standard_normal((300, 700)).astype(np.float32) for _ in range(5)]
+    fused, plain = hvdc.Compression.topk(density=0.01), hvdc.Compression.topk(density=0.01)
+    calls = []
+    original = type(fused)._reduce_residual
+
+    def spy(self, *args):
+        out = original(self, *args)
+        calls.append(out is not None)
+        return out
+
+    plain._reduce_residual = lambda *args: None
+    type(fused)._reduce_residual = spy
+    try:
+        for g in grads:
+            assert np.array_equal(fused.allreduce(g, "w", comm), plain.allreduce(g, "w", comm))
+            assert np.array_equal(fused.state["w"]["fb_residual"], plain.state["w"]["fb_residual"])
+    finally:
+        type(fused)._reduce_residual = original
+    assert calls and all(calls)          # every step after the first took the fused path

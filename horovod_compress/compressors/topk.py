@@ -69,6 +69,31 @@ class TopkA(DensitySparsifier):
         local[idx] = flat[idx]
         return avg, local.reshape(x.shape)
 
+    def _reduce_residual(self, x: np.ndarray, e: np.ndarray, acc: np.ndarray, name: str, comm: Any,
+                         state: TensorState) -> tuple[np.ndarray, np.ndarray] | None:
+        """EF14's ``acc = x + e`` fused with the selection: ``_reduce(acc)`` in one read of x and e.
+
+        :class:`~horovod_compress.feedback.residual.ResidualFeedback` calls
+        this (when a method has it) instead of adding ``x + e`` into ``acc``
+        and calling :meth:`_reduce`; the results are the same bit for bit.
+        ``None`` (nothing written) for inputs the fused kernel does not take.
+        """
+        if not (type(x) is np.ndarray and x.dtype == e.dtype == acc.dtype == np.float32
+                and x.flags.c_contiguous and e.flags.c_contiguous and acc.flags.c_contiguous):
+            return None
+        from ..kernels.selection import add_topk
+        n = x.size
+        k = k_from_density(self.name, self.density, n)
+        msg = np.empty(2 * k, np.float32)
+        out_idx, out_val = msg[:k].view(np.int32), msg[k:]
+        flat = acc.reshape(-1)
+        real = add_topk(x.reshape(-1), e.reshape(-1), flat, k, out_idx, out_val,
+                        scratch=self.__dict__.setdefault("_select_scratch", {}))
+        if real is None:     # no usable sampled bound: acc is written, select over it
+            _idx, _val, real = exact_topk_coo(flat, k, out_idx=out_idx, out_val=out_val,
+                                              scratch=self._select_scratch)
+        return self._exchange(msg, k, real, flat, name, comm, acc.shape)
+
     def _reduce_cpu(self, x: np.ndarray, name: str, comm: Any) -> tuple[np.ndarray, np.ndarray]:
         """NumPy path: select into the message, allgather, compiled scatter-add (see module doc)."""
         flat = np.ascontiguousarray(x).reshape(-1)
@@ -76,14 +101,22 @@ class TopkA(DensitySparsifier):
         k = k_from_density(self.name, self.density, n)
         itype = np.int32
         msg = np.empty(2 * k, np.float32)
-        idx, _val, real = exact_topk_coo(flat, k, out_idx=msg[:k].view(itype), out_val=msg[k:],
-                                         scratch=self.__dict__.setdefault("_select_scratch", {}))
+        _idx, _val, real = exact_topk_coo(flat, k, out_idx=msg[:k].view(itype), out_val=msg[k:],
+                                          scratch=self.__dict__.setdefault("_select_scratch", {}))
+        return self._exchange(msg, k, real, flat, name, comm, x.shape)
+
+    def _exchange(self, msg: np.ndarray, k: int, real: int, flat: np.ndarray, name: str, comm: Any,
+                  shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """Allgather the COO messages, sum them, and this rank's ``local`` (``flat`` on its k indices)."""
+        n = flat.size
+        itype = np.int32
+        idx = msg[:k].view(itype)
         gathered = comm.allgather(msg)  # (P, 2k) words
         all_idx = np.ascontiguousarray(gathered[:, :k]).view(itype).reshape(-1)
         all_val = np.ascontiguousarray(gathered[:, k:]).reshape(-1)
         avg = scatter_sum(n, all_idx, all_val, flat.dtype, scale=1.0 / comm.size)
         local = sparse_local(self, name, n, flat.dtype, idx, flat, real)
-        return avg.reshape(x.shape), local.reshape(x.shape)
+        return avg.reshape(shape), local.reshape(shape)
 
     def expected_bytes(self, shape: tuple[int, ...], world_size: int, itemsize: int = 4) -> float:
         k = k_from_density(self.name, self.density, int(np.prod(shape)))

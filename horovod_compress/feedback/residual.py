@@ -28,6 +28,9 @@ class ResidualFeedback(Feedback):
 
     The residual ``e`` is kept per tensor: the method compresses ``x + e`` and
     keeps ``e = x + e - C(x + e)`` (its own contribution ``C`` as the method reports it).
+    A method with ``_reduce_residual(x, e, acc, name, comm, state)`` (TopkA) writes
+    ``acc = x + e`` itself during its first pass over the data and returns what
+    ``_reduce(acc)`` would (or ``None`` for inputs it does not fuse).
     """
     name = "residual"
     uses_local = True
@@ -41,18 +44,22 @@ class ResidualFeedback(Feedback):
     def reduce(self, method: Any, x: np.ndarray, name: str, comm: Any, state: dict) -> np.ndarray:
         xp = get_array_module(x)
         e = state.get("fb_residual")
+        result = None
         if e is not None and e.shape == x.shape and e.dtype == x.dtype:
             spare = self._spare.get(name)
             if spare is None or spare.shape != x.shape or spare.dtype != x.dtype or \
                     get_array_module(spare) is not xp or spare is e:
                 spare = xp.empty_like(x)
-            acc = xp.add(x, e, out=spare)
+            fused = getattr(method, "_reduce_residual", None)
+            if fused is not None:   # the method adds x + e into spare during its first pass
+                result = fused(x, e, spare, name, comm, state)
+            acc = spare if result is not None else xp.add(x, e, out=spare)
             self._spare[name] = e           # the old residual's memory: next step's acc
         elif e is not None and e.shape == x.shape:
             acc = x + e
         else:
             acc = x.copy()
-        avg, local = method._reduce(acc, name, comm, state)
+        avg, local = result if result is not None else method._reduce(acc, name, comm, state)
         support = method.local_support(name, local) if acc.flags.c_contiguous else None
         if support is None:
             xp.subtract(acc, local, out=acc)

@@ -286,6 +286,118 @@ def topk_by_candidates(x: np.ndarray, k: int, out_idx: np.ndarray, out_val: np.n
                           cbits.dtype.type(t), all_ties, out_idx, out_val))
 
 
+@njit(cache=True)
+def _sample_sum_keys(x, e, absmask, runs, run):
+    """:func:`_sample_keys` of ``x + e`` (float32 sums at the sampled entries only)."""
+    n = x.size
+    out = np.empty(runs * run, np.uint32)
+    tmp = np.empty(1, x.dtype)
+    tb = tmp.view(np.uint32)
+    for b in range(runs):
+        lo = (b * n) // runs
+        hi = ((b + 1) * n) // runs
+        room = hi - lo - run + 1
+        h = (np.uint64(b) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+        h ^= h >> np.uint64(29)
+        start = lo + np.int64(h % np.uint64(room))
+        for j in range(run):
+            tmp[0] = x[start + j] + e[start + j]
+            out[b * run + j] = tb[0] & absmask
+    return out
+
+
+@njit(cache=True)
+def _add_collect_at_least(x, e, acc, absmask, lo_key, cand, cbits, cap):
+    """``acc = x + e`` (float32) and, in the same pass, :func:`_collect_at_least` of ``acc``.
+
+    ``acc`` is always written whole; the count of entries whose key is
+    ``>= lo_key`` is returned, or -1 once they exceed ``cap`` (the caller
+    then selects over ``acc``). Blocks of 64: the sums are written, their
+    keys compared into a bit mask (vectorised), the hits visited.
+    """
+    n = np.uint64(x.size)
+    bits = acc.view(np.uint32)
+    w = 0
+    full = False
+    i = np.uint64(0)
+    while i + np.uint64(64) <= n:
+        for j in range(64):
+            acc[i + np.uint64(j)] = x[i + np.uint64(j)] + e[i + np.uint64(j)]
+        if not full:
+            m = np.uint64(0)
+            for j in range(64):
+                m |= np.uint64((bits[i + np.uint64(j)] & absmask) >= lo_key) << np.uint64(j)
+            if m != np.uint64(0):
+                if w + 64 > cap:
+                    full = True
+                else:
+                    while m != np.uint64(0):
+                        p = i + trailing_zeros(m)
+                        cand[w] = p
+                        cbits[w] = bits[p]
+                        w += 1
+                        m &= m - np.uint64(1)
+        i += np.uint64(64)
+    while i < n:
+        acc[i] = x[i] + e[i]
+        if not full and (bits[i] & absmask) >= lo_key:
+            if w >= cap:
+                full = True
+            else:
+                cand[w] = i
+                cbits[w] = bits[i]
+                w += 1
+        i += np.uint64(1)
+    return -1 if full else w
+
+
+def add_topk(x: np.ndarray, e: np.ndarray, acc: np.ndarray, k: int, out_idx: np.ndarray,
+             out_val: np.ndarray, scratch: dict | None = None) -> int | None:
+    """``acc = x + e`` and the exact top-k of ``acc``, in one read of ``x`` and ``e`` (float32).
+
+    EF14's accumulation (``acc_i = x_i + e_i``, Seide et al. 2014; Ok-Topk's
+    Algorithm 2, line 3) fused with :func:`topk_by_candidates`: the sampled
+    bound is taken from ``x + e`` at the sampled entries, and the pass that
+    writes ``acc`` collects the candidates above it. Writes the top k of
+    ``acc`` (above the k-th largest magnitude, then the lowest-index ties) in
+    ascending index order; returns k. ``None`` when the bound gives no usable
+    candidate set -- ``acc`` is written all the same, and the caller selects
+    over it.
+    """
+    n = x.size
+    if x.dtype != np.float32 or e.dtype != np.float32 or acc.dtype != np.float32:
+        raise ValueError("add_topk takes float32 vectors")
+    if not (x.ndim == e.ndim == acc.ndim == 1 and x.size == e.size == acc.size):
+        raise ValueError(f"add_topk takes flat vectors of one size, got {x.shape}, {e.shape}, {acc.shape}")
+    if n < SAMPLED_MIN_SIZE or not 1 <= k < n:
+        np.add(x, e, out=acc)
+        return None
+    absmask = np.uint32(0x7FFFFFFF)
+    runs = min(_RUNS, n // (4 * _RUN))
+    lo = 0
+    if runs >= 16:
+        sample = _sample_sum_keys(x, e, absmask, runs, _RUN)
+        qs = k / n * sample.size
+        r = int(math.ceil(qs + _MARGIN_SIGMAS * math.sqrt(qs) + 8.0))
+        if r < sample.size // 2:
+            lo = int(_radix_kth_largest_key(sample, r, 32, np.uint64(absmask)))
+    if lo == 0:
+        np.add(x, e, out=acc)
+        return None
+    cap = max(2 * k, k + 4096)
+    store = {} if scratch is None else scratch
+    cand, cbits = store.get("cand"), store.get("cbits")
+    if cand is None or cand.size < cap or cbits.dtype != np.uint32:
+        cand = store["cand"] = np.empty(cap, np.int64)
+        cbits = store["cbits"] = np.empty(cap, np.uint32)
+    c = int(_add_collect_at_least(x, e, acc, absmask, np.uint32(lo), cand, cbits, cap))
+    if c < k:
+        return None
+    t = int(_radix_kth_largest_key(cbits[:c], k, 32, np.uint64(absmask)))
+    return int(_emit_topk(cand, cbits, cbits.view(np.float32), absmask, c, k, np.uint32(t), False,
+                          out_idx, out_val))
+
+
 def select_topk(x: np.ndarray, k: int, scratch: dict | None = None
                 ) -> tuple[np.ndarray, np.ndarray, float]:
     """Ok-Topk's exact local selection: every nonzero entry with ``|x| >= |x|_(k)``, and that threshold.
@@ -492,6 +604,6 @@ def _as_float_vector(x: np.ndarray) -> np.ndarray:
     return x
 
 
-__all__ = ["coo_sum", "count_at_least", "gaussian_threshold", "kth_largest_abs",
+__all__ = ["add_topk", "coo_sum", "count_at_least", "gaussian_threshold", "kth_largest_abs",
            "select_by_threshold", "select_topk", "topk_by_candidates", "topk_candidates",
            "topk_of_coo"]
