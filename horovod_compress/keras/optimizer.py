@@ -30,6 +30,7 @@ import tensorflow as tf
 
 from ..compressors.base import Method
 from ..runtime.buckets import DEFAULT_BUCKET_BYTES
+from ..runtime.scaling import check_backward_passes
 from ..tensorflow.reducer import Average, GradientReducer
 from .checkpoint import CompressionState
 
@@ -151,9 +152,7 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, compression: Met
     if not sparse_as_dense:
         raise ValueError("sparse_as_dense must be True: compressed allreduce works on dense "
                          "gradients (IndexedSlices are densified)")
-    passes = int(backward_passes_per_step)
-    if passes < 1:
-        raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    passes = check_backward_passes(backward_passes_per_step)
     method = compression if compression is not None else create("none")
     reducer = GradientReducer(method, comm, op=op,
                               gradient_predivide_factor=gradient_predivide_factor,

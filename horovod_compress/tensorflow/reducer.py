@@ -21,11 +21,17 @@ Per call:
 * ``op=Sum`` multiplies the average by P; ``gradient_predivide_factor`` f
   divides inputs by f and multiplies results by f (Horovod's semantics).
 
-Statistics (:class:`ExchangeStats`) count this rank's bytes of the exchange
-alone (the Communicator's delta around each step), what a dense ring
-allreduce would have sent, and -- on request -- the compression error
-``||avg_method - avg_dense|| / ||avg_dense||`` measured with one extra dense
-allreduce whose bytes are counted separately.
+Everything that is not TensorFlow -- argument checks, op scaling, the
+warm-up switch, statistics and the compression-error probe -- is the
+framework-independent runtime's (:mod:`horovod_compress.runtime.scaling`,
+:mod:`~horovod_compress.runtime.stats`,
+:class:`~horovod_compress.runtime.session.TrainingExchange`), shared with the
+PyTorch optimizer. Statistics (:class:`ExchangeStats`) count this rank's
+bytes of the exchange alone (the Communicator's delta around each step), what
+a dense ring allreduce would have sent, and -- on request -- the compression
+error ``||avg_method - avg_dense|| / ||avg_dense||`` measured with one extra
+dense allreduce whose bytes are counted separately; all variable sets of a
+reducer share one :class:`ExchangeStats` and one warm-up/probe switch.
 
 Matrix methods (``layout == "matrix"``: low-rank and row-sparsifying) view a
 tensor as ``(shape[0], rest)``, PyTorch's ``(out, in, kh, kw)`` convention.
@@ -43,10 +49,7 @@ models) gets its own exchange whose compressor state is namespaced
 """
 from __future__ import annotations
 
-import copy
-import time
 import weakref
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -55,49 +58,13 @@ import tensorflow as tf
 from ..compressors.base import Method
 from ..runtime.buckets import DEFAULT_BUCKET_BYTES, TensorSpec
 from ..runtime.engine import GradientExchange
-from ..runtime.ops import Average, Sum, op_name  # noqa: E402  (re-exported)
+from ..runtime.ops import Average, Sum, op_name  # noqa: F401  (re-exported)
+from ..runtime.scaling import Scaling, check_bucket_bytes, check_method, working_dtype
+from ..runtime.session import NamespacedMethod, StepSettings, TrainingExchange
+from ..runtime.stats import ExchangeStats  # noqa: F401  (re-exported)
 from . import world
 from .bridge import numpy_call
-from .tensors import (
-    check_float_dtype,
-    numpy_dtype_name,
-    to_wire,
-    unique_names,
-    wire_dtype,
-)
-
-
-@dataclass
-class ExchangeStats:
-    """Cumulative counters of one reducer on this rank (bytes under the volume model)."""
-
-    steps: int = 0
-    bytes_sent: float = 0.0
-    bytes_received: float = 0.0
-    dense_bytes: float = 0.0
-    error_sum: float = 0.0
-    error_count: int = 0
-    check_bytes_sent: float = 0.0
-    check_bytes_received: float = 0.0
-    setup_bytes_sent: float = 0.0
-    setup_bytes_received: float = 0.0
-    seconds: float = 0.0
-
-    def copy(self) -> "ExchangeStats":
-        """A shallow copy (a snapshot of the counters)."""
-        return copy.copy(self)
-
-
-class _Namespaced:
-    """A method seen through a name prefix (keeps a second variable set's state apart)."""
-
-    def __init__(self, method: Method, prefix: str) -> None:
-        self.method = method
-        self.prefix = prefix
-        self.layout = method.layout
-
-    def allreduce(self, grad: np.ndarray, name: str, comm: Any) -> np.ndarray:
-        return self.method.allreduce(grad, self.prefix + name, comm)
+from .tensors import check_float_dtype, to_wire, unique_names, wire_dtype
 
 
 def torch_kernel_permutation(shape: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -114,7 +81,7 @@ def torch_kernel_permutation(shape: tuple[int, ...]) -> tuple[int, ...] | None:
 
 
 class _VariableSet:
-    """The exchange(s) for one list of variables."""
+    """The training exchange of one list of variables (and their kernel permutations)."""
 
     def __init__(self, reducer: "GradientReducer", names: list[str], shapes: list[tuple],
                  dtypes: list[tf.DType], prefix: str) -> None:
@@ -127,25 +94,23 @@ class _VariableSet:
                         for p in self.perms]
         exchange_shapes = [s if p is None else tuple(s[i] for i in p)
                            for s, p in zip(shapes, self.perms)]
-        self.specs = [TensorSpec(n, s, numpy_dtype_name(d))
+        self.specs = [TensorSpec(n, s, working_dtype(d.name))
                       for n, s, d in reversed(list(zip(names, exchange_shapes, dtypes)))]
-        self._reducer = reducer
-        method = reducer.method if not prefix else _Namespaced(reducer.method, prefix)
-        self.exchange = reducer._build_exchange(method, self.specs)
-        self._dense: GradientExchange | None = None
-        p = reducer.comm.size
-        self.dense_bytes_per_step = sum(b.numel * b.work_dtype.itemsize
-                                        for b in self.exchange.buckets) * 2.0 * (p - 1) / p
+        method = reducer.method if not prefix else NamespacedMethod(reducer.method, prefix)
+        self.session = TrainingExchange(method, reducer.comm, self.specs,
+                                        scaling=reducer.scaling, settings=reducer.settings,
+                                        stats=reducer.stats, bucket_bytes=reducer.bucket_bytes,
+                                        overlap=reducer.overlap)
+        self.exchange = self.session.exchange
+        self.dense_bytes_per_step = self.session.dense_bytes_per_step
 
     def dense_exchange(self) -> GradientExchange:
         """An uncompressed exchange of the same tensors (CompressionWarmupCallback)."""
-        if self._dense is None:
-            from ..compressors.registry import create
-            self._dense = self._reducer._build_exchange(create("none"), self.specs)
-        return self._dense
+        return self.session.dense_exchange()
 
     def exchanges(self) -> list[GradientExchange]:
-        return [self.exchange] + ([self._dense] if self._dense is not None else [])
+        """The compressed exchange, then the dense one if it was built."""
+        return self.session.exchanges()
 
 
 class GradientReducer:
@@ -155,29 +120,65 @@ class GradientReducer:
                  gradient_predivide_factor: float = 1.0,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, overlap: bool = True,
                  kernel_layout: str = "torch") -> None:
-        if not isinstance(method, Method):
-            raise ValueError("compression must be a hvdc.Compression.<method>(...) object, "
-                             f"got {type(method).__name__}")
-        if not gradient_predivide_factor > 0:
-            raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
-        if int(bucket_bytes) <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self.method = check_method(method)
+        self.scaling = Scaling.from_args(op, gradient_predivide_factor)
+        self.bucket_bytes = check_bucket_bytes(bucket_bytes)
         if kernel_layout not in ("torch", "keras"):
             raise ValueError(f"kernel_layout must be 'torch' or 'keras', got {kernel_layout!r}")
         self.kernel_layout = kernel_layout
-        self.method = method
         self.comm = comm if comm is not None else world.communicator()
-        self.op = op_name(op)
-        self.predivide = float(gradient_predivide_factor)
-        self.postscale = 1.0  # extra factor on results (Horovod keras: summed accumulation)
-        self.bucket_bytes = int(bucket_bytes)
         self.overlap = bool(overlap)
-        self.dense = False               # True: exchange uncompressed (warm-up)
-        self.measure_error_every = 0     # >0: measure the compression error every n steps
-        self.measure_next = False        # measure on the next step (then reset)
+        self.settings = StepSettings()   # warm-up switch and error probes, all variable sets
         self.stats = ExchangeStats()
         self._sets: dict[tuple, _VariableSet] = {}
         self._by_identity: dict[tuple, tuple[_VariableSet, list]] = {}
+
+    # ------------------------------------------------- switches and factors
+    @property
+    def op(self) -> str:
+        """``"average"`` or ``"sum"``."""
+        return self.scaling.op
+
+    @property
+    def predivide(self) -> float:
+        """The ``gradient_predivide_factor``."""
+        return self.scaling.predivide
+
+    @property
+    def postscale(self) -> float:
+        """Extra factor on results (Horovod keras: summed accumulation)."""
+        return self.scaling.postscale
+
+    @postscale.setter
+    def postscale(self, value: float) -> None:
+        self.scaling.postscale = float(value)
+
+    @property
+    def dense(self) -> bool:
+        """True: exchange uncompressed (warm-up)."""
+        return self.settings.dense
+
+    @dense.setter
+    def dense(self, value: bool) -> None:
+        self.settings.dense = bool(value)
+
+    @property
+    def measure_error_every(self) -> int:
+        """n > 0: measure the compression error every n steps."""
+        return self.settings.measure_error_every
+
+    @measure_error_every.setter
+    def measure_error_every(self, value: int) -> None:
+        self.settings.measure_error_every = int(value)
+
+    @property
+    def measure_next(self) -> bool:
+        """Measure on the next step (then reset)."""
+        return self.settings.measure_next
+
+    @measure_next.setter
+    def measure_next(self, value: bool) -> None:
+        self.settings.measure_next = bool(value)
 
     # ----------------------------------------------------------------- API
     def reduce(self, grads: Sequence[Any], variables: Sequence[Any],
@@ -209,18 +210,17 @@ class GradientReducer:
     @property
     def comm_seconds(self) -> float:
         """Seconds spent inside the method's allreduce, all exchanges."""
-        return sum(e.comm_seconds for s in self._sets.values() for e in s.exchanges())
+        return sum(s.session.comm_seconds for s in self._sets.values())
 
     @property
     def wait_seconds(self) -> float:
         """Seconds the bridge waited for the communication thread, all exchanges."""
-        return sum(e.wait_seconds for s in self._sets.values() for e in s.exchanges())
+        return sum(s.session.wait_seconds for s in self._sets.values())
 
     def close(self) -> None:
         """Close every bucket exchange (stops their communication threads)."""
         for s in self._sets.values():
-            for e in s.exchanges():
-                e.close()
+            s.session.close()
 
     # ------------------------------------------------------------ internals
     def _variable_set(self, variables: list[Any], names: Sequence[str] | None) -> _VariableSet:
@@ -255,65 +255,19 @@ class GradientReducer:
             self._sets[key] = vset
         return vset
 
-    def _build_exchange(self, method: Any, specs: list[TensorSpec]) -> GradientExchange:
-        sent, received = self.comm.bytes_sent, self.comm.bytes_received
-        exchange = GradientExchange(method, self.comm, specs, bucket_bytes=self.bucket_bytes,
-                                    overlap=self.overlap)
-        self.stats.setup_bytes_sent += self.comm.bytes_sent - sent
-        self.stats.setup_bytes_received += self.comm.bytes_received - received
-        return exchange
-
     def _reduce_arrays(self, vset: _VariableSet,
                        arrays: list[np.ndarray | None]) -> list[np.ndarray]:
-        """The NumPy side of one step: submit, wait, scale, count."""
-        t0 = time.perf_counter()
-        exchange = vset.dense_exchange() if self.dense else vset.exchange
-        if self.predivide != 1.0:
-            arrays = [a if a is None else a / a.dtype.type(self.predivide) for a in arrays]
-        comm = self.comm
-        sent, received = comm.bytes_sent, comm.bytes_received
+        """The NumPy side of one step: permute kernels, run the step, permute back, cast."""
+        session = vset.session
         for j in reversed(range(len(arrays))):  # the exchange's order: last variable first
             a = arrays[j]
             if a is not None:
                 if vset.perms[j] is not None:
                     a = np.ascontiguousarray(np.transpose(a, vset.perms[j]))
-                exchange.submit(vset.names[j], a)
-        averaged = exchange.finish(fill_missing=True)
-        st = self.stats
-        st.bytes_sent += comm.bytes_sent - sent
-        st.bytes_received += comm.bytes_received - received
-        st.steps += 1
-        st.dense_bytes += vset.dense_bytes_per_step
-        every = self.measure_error_every
-        if self.measure_next or (every > 0 and st.steps % every == 0):
-            self.measure_next = False
-            self._measure_error(vset, arrays, averaged)
-        scale = self.predivide * (comm.size if self.op == Sum else 1) * self.postscale
+                session.submit(vset.names[j], a)
+        averaged = session.finish()
         outs = []
         for name, dt, inv in zip(vset.names, vset.np_dtypes, vset.inverse):
             avg = averaged[name] if inv is None else np.transpose(averaged[name], inv)
-            if scale != 1.0:
-                avg = avg * avg.dtype.type(scale)
             outs.append(np.ascontiguousarray(avg, dtype=dt))
-        st.seconds += time.perf_counter() - t0
         return outs
-
-    def _measure_error(self, vset: _VariableSet, arrays: list[np.ndarray | None],
-                       averaged: dict[str, np.ndarray]) -> None:
-        """Relative error of this step's average against a dense allreduce of the same inputs."""
-        comm = self.comm
-        x = np.concatenate([np.zeros(s, np.float64).ravel() if a is None
-                            else np.asarray(a, np.float64).ravel()
-                            for a, s in zip(arrays, vset.shapes)])
-        got = np.concatenate([np.asarray(averaged[n] if inv is None else np.transpose(averaged[n], inv),
-                                         np.float64).ravel()
-                              for n, inv in zip(vset.names, vset.inverse)])
-        sent, received = comm.bytes_sent, comm.bytes_received
-        with comm.phase("hvdc_compression_error"):
-            ref = comm.allreduce(x, op="avg")
-        self.stats.check_bytes_sent += comm.bytes_sent - sent
-        self.stats.check_bytes_received += comm.bytes_received - received
-        norm = float(np.linalg.norm(ref))
-        err = float(np.linalg.norm(got - ref))
-        self.stats.error_sum += err / norm if norm > 0 else (0.0 if err == 0 else float("inf"))
-        self.stats.error_count += 1

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from ..compressors.base import Method
 from ..runtime.buckets import DEFAULT_BUCKET_BYTES
+from ..runtime.scaling import check_method
 from . import world
 from .reducer import Average, GradientReducer
 
@@ -140,10 +141,7 @@ def DistributedGradientTape(gradtape: tf.GradientTape, compression: Method | Non
     if not sparse_as_dense:
         raise ValueError("sparse_as_dense must be True: compressed allreduce works on dense "
                          "gradients (IndexedSlices are densified)")
-    method = compression if compression is not None else create("none")
-    if not isinstance(method, Method):
-        raise ValueError("compression must be a hvdc.Compression.<method>(...) object, "
-                         f"got {type(method).__name__}")
+    method = check_method(compression if compression is not None else create("none"))
     reducer = reducer_for(method, comm, op, gradient_predivide_factor, bucket_bytes, overlap,
                           kernel_layout)
     base = type(gradtape)

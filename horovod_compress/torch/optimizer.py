@@ -8,6 +8,15 @@ and schedulers work. Each parameter gets a post-accumulate-grad hook: after
 buckets while the backward pass goes on; ``step()`` (or ``synchronize()``)
 waits, writes the averaged gradients into ``p.grad`` and steps.
 
+Argument checks, op scaling (``op``, ``gradient_predivide_factor``), the
+working-dtype rule, statistics (:attr:`stats`, :attr:`comm_seconds`,
+:attr:`wait_seconds`), the warm-up switch and the compression-error probe
+(:attr:`training_exchange`'s ``settings``) and the ``nonfinite="skip"``
+bookkeeping are the framework-independent runtime's
+(:class:`~horovod_compress.runtime.session.TrainingExchange`), shared with
+the TensorFlow and Keras front-ends; this module converts tensors and wires
+the hooks.
+
 Compressor state (residuals, thresholds, subspaces, step counters) is part of
 ``state_dict()`` under the key ``"hvdc"`` and restored by ``load_state_dict``.
 It is stored as tensors and plain Python types only (:func:`to_safe_state`),
@@ -26,9 +35,12 @@ import torch
 from ..compressors.base import Method
 from ..runtime.buckets import DEFAULT_BUCKET_BYTES, TensorSpec
 from ..runtime.engine import GradientExchange
-from ..runtime.ops import Average, Sum, op_name
+from ..runtime.ops import Average
+from ..runtime.scaling import Scaling, check_backward_passes, check_method, working_dtype
+from ..runtime.session import TrainingExchange
+from ..runtime.stats import ExchangeStats
 from . import world
-from .tensors import copy_into, numpy_dtype_name, to_array
+from .tensors import copy_into, to_array
 
 
 _ARRAY_KEY = "__hvdc_ndarray__"
@@ -79,18 +91,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                  gradient_predivide_factor: float = 1.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  overlap: bool = True, comm: Any = None) -> None:
         super(self.__class__, self).__init__(params)
-        if not isinstance(compression, Method):
-            raise ValueError("compression must be a hvdc.Compression.<method>(...) object, "
-                             f"got {type(compression).__name__}")
-        if int(backward_passes_per_step) < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-        if gradient_predivide_factor <= 0:
-            raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
-        self._hvdc_method = compression
+        self._hvdc_method = check_method(compression)
+        self.backward_passes_per_step = check_backward_passes(backward_passes_per_step)
+        scaling = Scaling.from_args(op, gradient_predivide_factor)
         self._hvdc_comm = comm if comm is not None else world.communicator()
-        self._hvdc_op = op_name(op)
-        self._hvdc_predivide = float(gradient_predivide_factor)
-        self.backward_passes_per_step = int(backward_passes_per_step)
 
         all_params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         if named_parameters is not None:
@@ -110,15 +114,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvdc_params = all_params
         self._hvdc_names = names
         # Gradients become ready roughly in reverse registration order.
-        specs = [TensorSpec(names[id(p)], tuple(p.shape), numpy_dtype_name(p))
+        specs = [TensorSpec(names[id(p)], tuple(p.shape), working_dtype(str(p.dtype)))
                  for p in reversed(all_params)]
-        self._hvdc_exchange = GradientExchange(compression, self._hvdc_comm, specs,
-                                               bucket_bytes=bucket_bytes, overlap=overlap)
+        self._hvdc_session = TrainingExchange(compression, self._hvdc_comm, specs,
+                                              scaling=scaling, bucket_bytes=bucket_bytes,
+                                              overlap=overlap)
         self._hvdc_passes = {id(p): 0 for p in all_params}
         self._hvdc_synchronized = False
         self._hvdc_skip_sync = False
-        self._hvdc_step_skipped = False
-        self._hvdc_skipped_seen = compression.skipped_steps
         self_ref = weakref.ref(self)
 
         def hook(p: torch.Tensor) -> None:  # a weak reference: a dropped optimizer unhooks
@@ -140,9 +143,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 f"backward_passes_per_step={self.backward_passes_per_step} before step(); "
                 "raise backward_passes_per_step or call step() in between")
         grad = to_array(p.grad.to_dense() if p.grad.is_sparse else p.grad)
-        if self._hvdc_predivide != 1.0:
-            grad = grad / grad.dtype.type(self._hvdc_predivide)
-        self._hvdc_exchange.submit(self._hvdc_names[key], grad)
+        self._hvdc_session.submit(self._hvdc_names[key], grad)
 
     # ------------------------------------------------------- synchronize
     def synchronize(self) -> None:
@@ -153,17 +154,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         following ``step()`` leaves the parameters and the wrapped
         optimizer's state as they are.
         """
-        averaged = self._hvdc_exchange.finish(fill_missing=True)
-        skipped = self._hvdc_method.skipped_steps   # buckets may have run during backward
-        self._hvdc_step_skipped = skipped != self._hvdc_skipped_seen
-        self._hvdc_skipped_seen = skipped
-        scale = self._hvdc_predivide
-        if self._hvdc_op == Sum:
-            scale *= self._hvdc_comm.size
+        averaged = self._hvdc_session.finish()
         for p in self._hvdc_params:
             avg = averaged[self._hvdc_names[id(p)]]
-            if scale != 1.0:
-                avg = avg * avg.dtype.type(scale)
             if p.grad is None or p.grad.is_sparse:  # unused parameter: Horovod gives it the
                 p.grad = torch.zeros_like(p)             # (zero-averaged) grad; sparse -> dense
             copy_into(p.grad, avg)
@@ -186,14 +179,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                                    "optimizer.skip_synchronize()")
             self.synchronize()
         self._hvdc_synchronized = False
-        if self._hvdc_step_skipped:
+        if self._hvdc_session.step_skipped:
             return None
         return super(self.__class__, self).step(closure)
 
     @property
     def step_skipped(self) -> bool:
         """Whether the last synchronized step was dropped (``nonfinite="skip"``, NaN/Inf on some rank)."""
-        return self._hvdc_step_skipped
+        return self._hvdc_session.step_skipped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if any(n >= self.backward_passes_per_step for n in self._hvdc_passes.values()):
@@ -206,7 +199,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for h in self._hvdc_hooks:
             h.remove()
         self._hvdc_hooks = []
-        self._hvdc_exchange.close()
+        self._hvdc_session.close()
 
     # ------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -232,7 +225,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def exchange(self) -> GradientExchange:
-        return self._hvdc_exchange
+        """The compressed bucket exchange (its ``comm_seconds``/``wait_seconds`` alone)."""
+        return self._hvdc_session.exchange
+
+    @property
+    def training_exchange(self) -> TrainingExchange:
+        """The runtime's exchange: ``settings.dense`` (warm-up), error probes, statistics."""
+        return self._hvdc_session
+
+    @property
+    def stats(self) -> ExchangeStats:
+        """Cumulative exchange statistics on this rank (as the TensorFlow reducer's)."""
+        return self._hvdc_session.stats
+
+    @property
+    def comm_seconds(self) -> float:
+        """Seconds spent inside the method's allreduce (warm-up exchange included)."""
+        return self._hvdc_session.comm_seconds
+
+    @property
+    def wait_seconds(self) -> float:
+        """Seconds ``synchronize()`` waited for the communication thread (warm-up included)."""
+        return self._hvdc_session.wait_seconds
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,
