@@ -114,18 +114,49 @@ def _sample_keys(bits, absmask, runs, run):
     (deterministic, so every call on equal data samples the same entries, and
     periodic structure of the data does not line up with the sample).
     """
-    n = bits.size
     out = np.empty(runs * run, bits.dtype)
     for b in range(runs):
-        lo = (b * n) // runs
-        hi = ((b + 1) * n) // runs
-        room = hi - lo - run + 1
-        h = (np.uint64(b) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
-        h ^= h >> np.uint64(29)
-        start = lo + np.int64(h % np.uint64(room))
+        start = _run_start(b, bits.size, runs, run)
         for j in range(run):
             out[b * run + j] = bits[start + j] & absmask
     return out
+
+
+@njit(cache=True, inline="always")
+def _run_start(b, n, runs, run):
+    """First entry of the sampled run in block ``b`` of ``runs`` equal blocks of ``n`` entries.
+
+    A fixed hash of the block number (Fibonacci hashing) picks the offset, so
+    every call on equal data samples the same entries and periodic structure
+    in the data does not line up with the sample.
+    """
+    lo = (b * n) // runs
+    hi = ((b + 1) * n) // runs
+    room = hi - lo - run + 1
+    h = (np.uint64(b) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+    h ^= h >> np.uint64(29)
+    return lo + np.int64(h % np.uint64(room))
+
+
+@njit(cache=True, inline="always")
+def _hit_mask(bits, i, absmask, lo_key):
+    """Bit j set where the key of ``bits[i + j]`` is ``>= lo_key``, for j < 64 (branch-free, vectorised)."""
+    m = np.uint64(0)
+    for j in range(64):
+        m |= np.uint64((bits[i + np.uint64(j)] & absmask) >= lo_key) << np.uint64(j)
+    return m
+
+
+@njit(cache=True, inline="always")
+def _visit_hits(m, i, bits, cand, cbits, w):
+    """Append the entries ``i + j`` of the set bits j of ``m`` (and their bit patterns); the new count."""
+    while m != np.uint64(0):
+        p = i + trailing_zeros(m)
+        cand[w] = p
+        cbits[w] = bits[p]
+        w += 1
+        m &= m - np.uint64(1)
+    return w
 
 
 @njit(cache=True)
@@ -143,18 +174,11 @@ def _collect_at_least(bits, absmask, lo_key, cand, cbits, cap):
     w = 0
     i = np.uint64(0)
     while i + np.uint64(64) <= n:
-        m = np.uint64(0)
-        for j in range(64):
-            m |= np.uint64((bits[i + np.uint64(j)] & absmask) >= lo_key) << np.uint64(j)
+        m = _hit_mask(bits, i, absmask, lo_key)
         if m != np.uint64(0):
             if w + 64 > cap:
                 return -1
-            while m != np.uint64(0):
-                p = i + trailing_zeros(m)
-                cand[w] = p
-                cbits[w] = bits[p]
-                w += 1
-                m &= m - np.uint64(1)
+            w = _visit_hits(m, i, bits, cand, cbits, w)
         i += np.uint64(64)
     while i < n:
         if (bits[i] & absmask) >= lo_key:
@@ -289,17 +313,11 @@ def topk_by_candidates(x: np.ndarray, k: int, out_idx: np.ndarray, out_val: np.n
 @njit(cache=True)
 def _sample_sum_keys(x, e, absmask, runs, run):
     """:func:`_sample_keys` of ``x + e`` (float32 sums at the sampled entries only)."""
-    n = x.size
     out = np.empty(runs * run, np.uint32)
     tmp = np.empty(1, x.dtype)
     tb = tmp.view(np.uint32)
     for b in range(runs):
-        lo = (b * n) // runs
-        hi = ((b + 1) * n) // runs
-        room = hi - lo - run + 1
-        h = (np.uint64(b) + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
-        h ^= h >> np.uint64(29)
-        start = lo + np.int64(h % np.uint64(room))
+        start = _run_start(b, x.size, runs, run)
         for j in range(run):
             tmp[0] = x[start + j] + e[start + j]
             out[b * run + j] = tb[0] & absmask
@@ -324,19 +342,12 @@ def _add_collect_at_least(x, e, acc, absmask, lo_key, cand, cbits, cap):
         for j in range(64):
             acc[i + np.uint64(j)] = x[i + np.uint64(j)] + e[i + np.uint64(j)]
         if not full:
-            m = np.uint64(0)
-            for j in range(64):
-                m |= np.uint64((bits[i + np.uint64(j)] & absmask) >= lo_key) << np.uint64(j)
+            m = _hit_mask(bits, i, absmask, lo_key)
             if m != np.uint64(0):
                 if w + 64 > cap:
                     full = True
                 else:
-                    while m != np.uint64(0):
-                        p = i + trailing_zeros(m)
-                        cand[w] = p
-                        cbits[w] = bits[p]
-                        w += 1
-                        m &= m - np.uint64(1)
+                    w = _visit_hits(m, i, bits, cand, cbits, w)
         i += np.uint64(64)
     while i < n:
         acc[i] = x[i] + e[i]
