@@ -179,19 +179,9 @@ def _timed(hook: Any, clock: list[float]) -> Any:
 
 
 def split_variants(spec: str) -> list[str]:
-    """Comma-separated variants; commas inside ``{...}`` parameters do not split."""
-    out, depth, cur = [], 0, ""
-    for ch in spec:
-        depth += ch == "{"
-        depth -= ch == "}"
-        if ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    if cur.strip():
-        out.append(cur.strip())
-    return out
+    """Comma-separated variants; commas inside ``{...}`` parameters do not split (as ``hvdc bench e2e``'s methods)."""
+    from .e2e import split_specs
+    return split_specs(spec)
 
 
 def _run(args: argparse.Namespace) -> int:

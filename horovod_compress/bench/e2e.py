@@ -81,7 +81,7 @@ def method_list(spec: str) -> list[str]:
     from ..compressors import registry
     if spec == "all":
         return registry.available()
-    items = [s.strip() for s in _split_methods(spec) if s.strip()]
+    items = split_specs(spec)
     for item in items:
         registry.method_class(item.partition(":")[0])      # ValueError naming the method
     if not any(i.partition(":")[0] == "none" for i in items):
@@ -89,8 +89,8 @@ def method_list(spec: str) -> list[str]:
     return items
 
 
-def _split_methods(spec: str) -> list[str]:
-    """Split at commas outside JSON braces."""
+def split_specs(spec: str) -> list[str]:
+    """Comma-separated items, stripped, empty ones dropped; commas inside ``{...}`` parameters do not split."""
     out, depth, cur = [], 0, ""
     for ch in spec:
         depth += ch == "{"
@@ -101,7 +101,7 @@ def _split_methods(spec: str) -> list[str]:
         else:
             cur += ch
     out.append(cur)
-    return out
+    return [item.strip() for item in out if item.strip()]
 
 
 def _worker_command(p: int, methods: list[str], args: argparse.Namespace, json_path: str,

@@ -102,9 +102,9 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from ..mpi_collectives import Communicator
-    from .e2e import _split_methods
+    from .e2e import split_specs
     comm = Communicator()
-    result = call_sizes([m for m in _split_methods(args.methods) if m.strip()], args.model, comm)
+    result = call_sizes(split_specs(args.methods), args.model, comm)
     if comm.rank == 0:
         Path(args.json).write_text(json.dumps(result))
 

@@ -55,6 +55,31 @@ def exp_quantize_dequant8_range(x: np.ndarray, scale: float, emax: int, tiny_mul
         local[i] = _exp_value(c, 7, d_scale)
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _quantize4_range(x, scale, emax, tiny_mul, key, d_scale, packed, local, with_local, lo, hi):
+    """Packed 4-bit codes of bytes ``lo <= j < hi`` and, ``with_local``, their values (see below)."""
+    n = x.size
+    full = min(hi, n // 2)
+    s = word_state(key, np.uint64(2 * lo)) - GOLDEN
+    for j in range(np.uint64(lo), np.uint64(max(full, lo))):
+        i = np.uint64(2) * j
+        s += GOLDEN
+        c0 = exp_code(np.float64(x[i]), scale, emax, 8, tiny_mul, splitmix64(s))
+        s += GOLDEN
+        c1 = exp_code(np.float64(x[i + np.uint64(1)]), scale, emax, 8, tiny_mul, splitmix64(s))
+        packed[j] = np.uint8(c0 | (c1 << 4))
+        if with_local:
+            local[i] = _exp_value(c0, 3, d_scale)
+            local[i + np.uint64(1)] = _exp_value(c1, 3, d_scale)
+    if hi > full and n % 2 == 1 and lo <= n // 2 < hi:   # the odd last element
+        i = n - 1
+        c0 = exp_code(np.float64(x[i]), scale, emax, 8, tiny_mul,
+                      splitmix64(word_state(key, np.uint64(i))))
+        packed[n // 2] = np.uint8(c0)
+        if with_local:
+            local[i] = _exp_value(c0, 3, d_scale)
+
+
 @njit(cache=True, nogil=True)
 def exp_quantize_dequant4_range(x: np.ndarray, scale: float, emax: int, tiny_mul: float,
                                 key: np.uint64, d_scale: float, packed: np.ndarray,
@@ -64,24 +89,7 @@ def exp_quantize_dequant4_range(x: np.ndarray, scale: float, emax: int, tiny_mul
 
     An odd element count leaves the last byte's high nibble 0 (as ``pack_nibbles``).
     """
-    n = x.size
-    full = min(hi, n // 2)
-    s = word_state(key, np.uint64(2 * lo)) - GOLDEN
-    for j in range(np.uint64(lo), np.uint64(max(full, lo))):
-        i = np.uint64(2) * j
-        s += GOLDEN
-        c0 = exp_code(np.float64(x[i]), scale, emax, 8, tiny_mul, splitmix64(s))
-        s += GOLDEN
-        c1 = exp_code(np.float64(x[i + np.uint64(1)]), scale, emax, 8, tiny_mul, splitmix64(s))
-        packed[j] = np.uint8(c0 | (c1 << 4))
-        local[i] = _exp_value(c0, 3, d_scale)
-        local[i + np.uint64(1)] = _exp_value(c1, 3, d_scale)
-    if hi > full and n % 2 == 1 and lo <= n // 2 < hi:   # the odd last element
-        i = n - 1
-        c0 = exp_code(np.float64(x[i]), scale, emax, 8, tiny_mul,
-                      splitmix64(word_state(key, np.uint64(i))))
-        packed[n // 2] = np.uint8(c0)
-        local[i] = _exp_value(c0, 3, d_scale)
+    _quantize4_range(x, scale, emax, tiny_mul, key, d_scale, packed, local, True, lo, hi)
 
 
 @njit(cache=True, nogil=True)
@@ -89,19 +97,8 @@ def exp_quantize4_packed_range(x: np.ndarray, scale: float, emax: int, tiny_mul:
                                key: np.uint64, packed: np.ndarray, lo: int, hi: int) -> None:
     """Packed bytes ``lo <= j < hi`` of 4-bit codes only (no ``local``): the codes of
     :func:`exp_quantize_dequant4_range`, for callers whose feedback does not read ``local``."""
-    n = x.size
-    full = min(hi, n // 2)
-    s = word_state(key, np.uint64(2 * lo)) - GOLDEN
-    for j in range(np.uint64(lo), np.uint64(max(full, lo))):
-        i = np.uint64(2) * j
-        s += GOLDEN
-        c0 = exp_code(np.float64(x[i]), scale, emax, 8, tiny_mul, splitmix64(s))
-        s += GOLDEN
-        c1 = exp_code(np.float64(x[i + np.uint64(1)]), scale, emax, 8, tiny_mul, splitmix64(s))
-        packed[j] = np.uint8(c0 | (c1 << 4))
-    if hi > full and n % 2 == 1 and lo <= n // 2 < hi:
-        packed[n // 2] = np.uint8(exp_code(np.float64(x[n - 1]), scale, emax, 8, tiny_mul,
-                                           splitmix64(word_state(key, np.uint64(n - 1)))))
+    _quantize4_range(x, scale, emax, tiny_mul, key, 1.0, packed, np.empty(0, np.float32),
+                     False, lo, hi)
 
 
 @njit(cache=True, nogil=True)

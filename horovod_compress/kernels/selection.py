@@ -240,16 +240,36 @@ def sampled_bound_key(bits: np.ndarray, absmask: Any, nbits: int, k: int) -> int
     ``k r / (qS)`` (1.2k at n = 4M, k = 1%). The result is never trusted:
     :func:`topk_candidates` checks the count it gets.
     """
-    n = bits.size
-    runs = min(_RUNS, n // (4 * _RUN))
-    if runs < 16:
+    runs = _sample_runs(bits.size)
+    if runs == 0:
         return 0
-    sample = _sample_keys(bits, absmask, runs, _RUN)
+    return _bound_from_sample(_sample_keys(bits, absmask, runs, _RUN), bits.size, k, nbits, absmask)
+
+
+def _sample_runs(n: int) -> int:
+    """How many runs of ``_RUN`` entries to sample from n entries; 0 when too few to tell."""
+    runs = min(_RUNS, n // (4 * _RUN))
+    return runs if runs >= 16 else 0
+
+
+def _bound_from_sample(sample: np.ndarray, n: int, k: int, nbits: int, absmask: Any) -> int:
+    """The ``r``-th largest sampled key, ``r = qS + 4 sqrt(qS) + 8`` (see :func:`sampled_bound_key`); 0 if r is too large."""
     qs = k / n * sample.size
     r = int(math.ceil(qs + _MARGIN_SIGMAS * math.sqrt(qs) + 8.0))
     if r >= sample.size // 2:
         return 0
     return int(_radix_kth_largest_key(sample, r, nbits, np.uint64(absmask)))
+
+
+def _candidate_buffers(scratch: dict | None, k: int, dtype: Any) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(cand, cbits, cap)``: room for ``cap = max(2k, k + 4096)`` candidates, kept in ``scratch``."""
+    cap = max(2 * k, k + 4096)
+    store = {} if scratch is None else scratch
+    cand, cbits = store.get("cand"), store.get("cbits")
+    if cand is None or cand.size < cap or cbits.dtype != dtype:
+        cand = store["cand"] = np.empty(cap, np.int64)
+        cbits = store["cbits"] = np.empty(cap, dtype)
+    return cand, cbits, cap
 
 
 def topk_candidates(x: np.ndarray, k: int, scratch: dict | None = None
@@ -276,12 +296,7 @@ def topk_candidates(x: np.ndarray, k: int, scratch: dict | None = None
     lo = sampled_bound_key(bits, absmask, nbits, k)
     if lo == 0:
         return None
-    cap = max(2 * k, k + 4096)
-    store = {} if scratch is None else scratch
-    cand, cbits = store.get("cand"), store.get("cbits")
-    if cand is None or cand.size < cap or cbits.dtype != bits.dtype:
-        cand = store["cand"] = np.empty(cap, np.int64)
-        cbits = store["cbits"] = np.empty(cap, bits.dtype)
+    cand, cbits, cap = _candidate_buffers(scratch, k, bits.dtype)
     c = int(_collect_at_least(bits, absmask, bits.dtype.type(lo), cand, cbits, cap))
     if c < k:
         return None
@@ -384,23 +399,13 @@ def add_topk(x: np.ndarray, e: np.ndarray, acc: np.ndarray, k: int, out_idx: np.
         np.add(x, e, out=acc)
         return None
     absmask = np.uint32(0x7FFFFFFF)
-    runs = min(_RUNS, n // (4 * _RUN))
-    lo = 0
-    if runs >= 16:
-        sample = _sample_sum_keys(x, e, absmask, runs, _RUN)
-        qs = k / n * sample.size
-        r = int(math.ceil(qs + _MARGIN_SIGMAS * math.sqrt(qs) + 8.0))
-        if r < sample.size // 2:
-            lo = int(_radix_kth_largest_key(sample, r, 32, np.uint64(absmask)))
+    runs = _sample_runs(n)
+    lo = _bound_from_sample(_sample_sum_keys(x, e, absmask, runs, _RUN), n, k, 32, absmask) \
+        if runs else 0
     if lo == 0:
         np.add(x, e, out=acc)
         return None
-    cap = max(2 * k, k + 4096)
-    store = {} if scratch is None else scratch
-    cand, cbits = store.get("cand"), store.get("cbits")
-    if cand is None or cand.size < cap or cbits.dtype != np.uint32:
-        cand = store["cand"] = np.empty(cap, np.int64)
-        cbits = store["cbits"] = np.empty(cap, np.uint32)
+    cand, cbits, cap = _candidate_buffers(scratch, k, np.dtype(np.uint32))
     c = int(_add_collect_at_least(x, e, acc, absmask, np.uint32(lo), cand, cbits, cap))
     if c < k:
         return None
