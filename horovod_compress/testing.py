@@ -1,23 +1,29 @@
 """Run test cases on real MPI ranks from pytest.
 
-``run_cases(nprocs, module_file, cases)`` starts ``mpirun -np nprocs`` on
-:func:`_worker_main`, which imports ``module_file`` on every rank and calls
-each ``case(comm)`` with a fresh :class:`Communicator`. A case asserts on every
-rank; any exception on any rank aborts the whole job (no hang) and fails the
-test with that rank's traceback. Whatever a case returns (JSON-serialisable)
-comes back as ``results[case][rank]`` for further checks in the test.
+A test module holds its per-rank cases (top-level functions ``case_*(comm)``)
+next to the tests that check them. ``run_cases(nprocs, __file__)`` finds the
+cases by name, starts ``mpirun -np nprocs`` on :func:`_worker_main`, which
+imports the module on every rank and calls each case with a fresh
+:class:`Communicator`. A case asserts on every rank; an exception on any rank
+aborts the job (no hang), marks that case failed with its tracebacks, and the
+remaining cases run in a fresh job, so one failing case fails only the tests
+that read it. Whatever a case returns (JSON-serialisable) comes back as
+``results[case_fn][rank]`` for further checks in the test.
 """
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, Union
 
 
 def mpirun_command(nprocs: int) -> list[str]:
@@ -78,24 +84,167 @@ def torchrun_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def run_cases(nprocs: int, module_file: str | Path, cases: Sequence[str],
-              timeout: float = 300, env: dict[str, str] | None = None) -> dict[str, dict[int, Any]]:
-    """Run ``cases`` of ``module_file`` on ``nprocs`` ranks; return their results."""
+CaseRef = Union[str, Callable[..., Any]]
+
+
+class CaseFailed(AssertionError):
+    """Raised when a test reads the result of an MPI case that failed on some rank."""
+
+
+def find_cases(module_file: str | Path) -> list[str]:
+    """The ``case_*`` functions defined at the top level of ``module_file``, in file order.
+
+    Found by parsing, not importing, so the pytest process does not import what
+    a case needs (a framework, a second MPI world) just to list them.
+    """
+    tree = ast.parse(Path(module_file).read_text(), filename=str(module_file))
+    return [node.name for node in tree.body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.name.startswith("case_")]
+
+
+def _case_name(case: CaseRef) -> str:
+    return case if isinstance(case, str) else case.__name__
+
+
+class CaseResults(Mapping):
+    """Per-case results of :func:`run_cases`: ``results[case] -> {rank: value}``.
+
+    ``case`` is the case function itself (``results[case_volume]``) or its
+    name. Reading a case that failed raises :class:`CaseFailed` with that
+    case's tracebacks and the job's output, so one failing case fails only
+    the tests that read it; the cases after it ran in a fresh job.
+    """
+
+    def __init__(self, values: dict[str, dict[int, Any]], failures: dict[str, str]) -> None:
+        self._values = values
+        self._failures = failures
+
+    def __getitem__(self, case: CaseRef) -> dict[int, Any]:
+        name = _case_name(case)
+        if name in self._failures:
+            raise CaseFailed(self._failures[name])
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(list(self._values) + list(self._failures))
+
+    def __len__(self) -> int:
+        return len(self._values) + len(self._failures)
+
+    @property
+    def failures(self) -> dict[str, str]:
+        """Case name -> what went wrong, for the cases that failed."""
+        return dict(self._failures)
+
+
+def run_cases(nprocs: int, module_file: str | Path, cases: Sequence[CaseRef] | None = None,
+              timeout: float = 300, env: dict[str, str] | None = None) -> CaseResults:
+    """Run ``cases`` (default: every ``case_*`` of ``module_file``) on ``nprocs`` MPI ranks.
+
+    Every rank imports ``module_file`` and calls each ``case(comm)`` in turn with
+    a fresh :class:`Communicator`, recording each case's start and result as it
+    goes. An exception on any rank aborts the job at once (no rank is left
+    waiting in a collective); the case it happened in is marked failed with its
+    tracebacks, and the cases after it run in a fresh ``mpirun``. A job that
+    runs past ``timeout`` seconds is killed with all its processes, and the
+    case then running is marked failed as a hang.
+    """
+    names = [_case_name(c) for c in cases] if cases is not None else find_cases(module_file)
+    if not names:
+        raise ValueError(f"no case_* functions in {module_file}")
+    values: dict[str, dict[int, Any]] = {}
+    failures: dict[str, str] = {}
+    remaining = list(names)
+    while remaining:
+        done, failed, message = _run_job(nprocs, module_file, remaining, timeout, env)
+        values.update(done)
+        if failed is not None:
+            failures[failed] = message
+        finished = set(done) | ({failed} if failed else set())
+        if not finished or "(import)" in message:   # nothing ran: the same on every case
+            failures.update({name: message for name in remaining if name not in done})
+            break
+        remaining = [n for n in remaining if n not in finished]
+    return CaseResults(values, failures)
+
+
+def _run_job(nprocs: int, module_file: str | Path, cases: list[str], timeout: float,
+             env: dict[str, str] | None) -> tuple[dict[str, dict[int, Any]], str | None, str]:
+    """One ``mpirun``: the cases every rank finished, the case that failed (if any), why."""
     with tempfile.TemporaryDirectory(prefix="hvdc-mpi-") as out:
         cmd = mpirun_command(nprocs) + [sys.executable, "-m", "horovod_compress.testing",
                                         str(module_file), out, *cases]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                              env=mpi_env(env))
-        if proc.returncode != 0:
-            raise AssertionError(
-                f"mpirun -np {nprocs} failed (exit {proc.returncode}) for {list(cases)}\n"
-                f"--- stdout ---\n{proc.stdout[-8000:]}\n--- stderr ---\n{proc.stderr[-8000:]}")
-        results: dict[str, dict[int, Any]] = {c: {} for c in cases}
-        for rank in range(nprocs):
-            data = json.loads(Path(out, f"rank{rank}.json").read_text())
-            for case, value in data.items():
-                results[case][rank] = value
-        return results
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env=mpi_env(env), start_new_session=True)
+        timed_out = False
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+            stdout, stderr = proc.communicate()
+        events = {rank: _read_events(Path(out, f"rank{rank}.jsonl")) for rank in range(nprocs)}
+    done: dict[str, dict[int, Any]] = {}
+    for case in cases:
+        per_rank = {rank: ev["results"][case] for rank, ev in events.items()
+                    if case in ev["results"]}
+        if len(per_rank) < nprocs:
+            break
+        done[case] = per_rank
+    if proc.returncode == 0 and not timed_out and len(done) == len(cases):
+        return done, None, ""
+    failed = next(c for c in cases if c not in done) if len(done) < len(cases) else None
+    errors = "".join(f"--- rank {rank}, {case} ---\n{text}\n" for rank, ev in events.items()
+                     for case, text in ev["errors"].items() if case in (failed, "(import)"))
+    why = (f"hung: mpirun -np {nprocs} killed after {timeout:g} s" if timed_out
+           else f"mpirun -np {nprocs} exited {proc.returncode}")
+    message = (f"case {failed or '(after the last case)'} of {Path(module_file).name} failed on "
+               f"real MPI ranks ({why})\n{errors}"
+               f"--- stdout ---\n{stdout[-6000:]}\n--- stderr ---\n{stderr[-6000:]}")
+    if failed is None:   # every case finished but the job did not exit cleanly
+        return {}, cases[-1], message
+    return done, failed, message
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill mpirun and every rank it started (they share its new session)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _read_events(path: Path) -> dict[str, dict[str, Any]]:
+    """A rank's journal: ``{"results": {case: value}, "errors": {case: traceback}}``."""
+    events: dict[str, dict[str, Any]] = {"results": {}, "errors": {}}
+    if not path.exists():
+        return events
+    for line in path.read_text().splitlines():
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:   # a line cut short by an abort
+            continue
+        if "error" in entry:
+            events["errors"][entry["case"]] = entry["error"]
+        elif "value" in entry:
+            events["results"][entry["case"]] = entry["value"]
+    return events
+
+
+
+# ------------------------------------------------- helpers for the cases themselves
+def gather_float64(comm: Any, x: Any) -> Any:
+    """All ranks' copies of ``x`` as float64, shape ``(P, *x.shape)``: for dense references."""
+    import numpy as np
+    return comm.allgather(np.ascontiguousarray(x, dtype=np.float64))
+
+
+def same_on_all_ranks(comm: Any, x: Any) -> bool:
+    """Whether ``x`` is bit for bit the same array on every rank (one allgather)."""
+    import numpy as np
+    everyone = comm.allgather(np.ascontiguousarray(x))
+    return all(np.array_equal(other, everyone[0]) for other in everyone[1:])
 
 
 def _worker_main(argv: list[str]) -> None:
@@ -107,20 +256,30 @@ def _worker_main(argv: list[str]) -> None:
 
     module_file, out_dir, *cases = argv
     rank = MPI.COMM_WORLD.Get_rank()
+    journal = open(Path(out_dir, f"rank{rank}.jsonl"), "a", buffering=1)
+
+    def record(entry: dict[str, Any]) -> None:
+        journal.write(json.dumps(entry, default=_jsonable) + "\n")
+        journal.flush()
+        os.fsync(journal.fileno())
+
     spec = importlib.util.spec_from_file_location("hvdc_mpi_cases", module_file)
     module = importlib.util.module_from_spec(spec)
-    results: dict[str, Any] = {}
+    case = "(import)"
     try:
         spec.loader.exec_module(module)
         for case in cases:
             comm = Communicator()
-            results[case] = getattr(module, case)(comm)
+            value = getattr(module, case)(comm)
+            record({"case": case, "value": value})
             MPI.COMM_WORLD.Barrier()
     except BaseException:  # noqa: BLE001 - any failure must abort every rank
-        sys.stderr.write(f"[rank {rank}] case failed:\n{traceback.format_exc()}")
+        text = traceback.format_exc()
+        sys.stderr.write(f"[rank {rank}] case {case} failed:\n{text}")
         sys.stderr.flush()
+        record({"case": case, "error": text})
         MPI.COMM_WORLD.Abort(1)
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results, default=_jsonable))
+    journal.close()
 
 
 def _jsonable(obj: Any) -> Any:
