@@ -132,6 +132,11 @@ class CaseResults(Mapping):
     def __len__(self) -> int:
         return len(self._values) + len(self._failures)
 
+    def assert_passed(self) -> None:
+        """Raise :class:`CaseFailed` naming every failed case (for tests that read no value)."""
+        if self._failures:
+            raise CaseFailed("\n\n".join(self._failures.values()))
+
     @property
     def failures(self) -> dict[str, str]:
         """Case name -> what went wrong, for the cases that failed."""
@@ -241,11 +246,75 @@ def gather_float64(comm: Any, x: Any) -> Any:
 
 
 def same_on_all_ranks(comm: Any, x: Any) -> bool:
-    """Whether ``x`` is bit for bit the same array on every rank (one allgather)."""
-    import numpy as np
-    everyone = comm.allgather(np.ascontiguousarray(x))
-    return all(np.array_equal(other, everyone[0]) for other in everyone[1:])
+    """Whether ``x`` is bit for bit the same array on every rank (one allgather).
 
+    Compares shape, dtype and bytes, so NaNs in the same places with the same
+    payload agree and -0.0 differs from 0.0.
+    """
+    import numpy as np
+    mine = np.ascontiguousarray(x)
+    everyone = comm.allgather(mine)
+    return all(other.shape == mine.shape and other.dtype == mine.dtype
+               and other.tobytes() == everyone[0].tobytes() for other in everyone)
+
+
+def relative_error(a: Any, b: Any) -> float:
+    """``||a - b|| / ||b||`` in float64 (``||a - b||`` when ``b`` is zero)."""
+    import numpy as np
+    b = np.asarray(b, dtype=np.float64)
+    nb = float(np.linalg.norm(b))
+    return float(np.linalg.norm(np.asarray(a, dtype=np.float64) - b)) / (nb if nb > 0 else 1.0)
+
+
+def low_rank_gradient(shape: tuple[int, ...], rank: int, step: int, tid: int, seed: int = 0,
+                      true_rank: int = 3, noise: float = 0.3, dtype: Any = "float32") -> Any:
+    """A gradient of ``shape`` for low-rank methods: a rank-``true_rank`` part shared by every
+    rank plus ``noise`` times this rank's own Gaussian noise, seeded by (seed, step, tid, rank).
+
+    Reshaped as rows x (product of the other dimensions); a 1-D shape is one column.
+    """
+    import numpy as np
+    rows, cols = shape[0], int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    common = np.random.default_rng([seed, step, tid, 7])
+    k = min(true_rank, rows, cols)
+    scale = np.geomspace(4.0, 1.0, k)
+    left = common.standard_normal((rows, k)) * scale
+    base = left @ common.standard_normal((k, cols)) / np.sqrt(cols)
+    own = np.random.default_rng([seed, step, tid, 1000 + rank]).standard_normal((rows, cols))
+    return (base + noise * own).reshape(shape).astype(dtype)
+
+
+
+# ------------------------------------------- cases under a launcher of the caller's
+def worker_command(module_file: str | Path, out_dir: str | Path,
+                   cases: Sequence[CaseRef]) -> list[str]:
+    """The command every rank runs for ``cases`` of ``module_file``, as under :func:`run_cases`,
+    for a launch ``run_cases`` cannot make itself (e.g. ``mpirun`` inside an emulated
+    cluster's network namespaces): prefix it with the launcher, then read the results
+    with :func:`read_case_results` (``out_dir`` must exist and be empty)."""
+    return [sys.executable, "-m", "horovod_compress.testing", str(module_file), str(out_dir),
+            *[_case_name(c) for c in cases]]
+
+
+def read_case_results(out_dir: str | Path, nprocs: int) -> CaseResults:
+    """What the ranks of a :func:`worker_command` launch recorded in ``out_dir``: a case every
+    rank finished has its values; a case that raised on some rank is failed (reading it raises
+    :class:`CaseFailed` with its tracebacks)."""
+    events = {rank: _read_events(Path(out_dir, f"rank{rank}.jsonl")) for rank in range(nprocs)}
+    names = {case for ev in events.values() for case in (*ev["results"], *ev["errors"])}
+    values: dict[str, dict[int, Any]] = {}
+    failures: dict[str, str] = {}
+    for case in sorted(names):
+        errors = "".join(f"--- rank {rank}, {case} ---\n{ev['errors'][case]}\n"
+                         for rank, ev in events.items() if case in ev["errors"])
+        per_rank = {rank: ev["results"][case] for rank, ev in events.items()
+                    if case in ev["results"]}
+        if errors or len(per_rank) < nprocs:
+            failures[case] = (f"case {case} failed on some of {nprocs} ranks "
+                              f"(finished on {sorted(per_rank)})\n{errors}")
+        else:
+            values[case] = per_rank
+    return CaseResults(values, failures)
 
 def _worker_main(argv: list[str]) -> None:
     import importlib.util

@@ -1,14 +1,5 @@
-"""Shared pytest setup: where the per-rank MPI case files live."""
-from pathlib import Path
-
+"""Shared pytest setup: the ``cupy`` fixture for the tests that need a CUDA device."""
 import pytest
-
-CASES = Path(__file__).parent / "cases"
-
-
-@pytest.fixture
-def cases_dir() -> Path:
-    return CASES
 
 
 @pytest.fixture

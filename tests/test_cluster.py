@@ -1,7 +1,10 @@
 """The emulated cluster (network namespaces + tc) and the alpha-beta cost model.
 
 The cluster tests need root and network namespaces; where those are not
-allowed they skip with the reason the cluster itself gives.
+allowed they skip with the reason the cluster itself gives. The per-rank
+case (``case_topk_across_hosts``) runs on ranks that live on different
+emulated hosts; every cluster a test brings up is gone when it ends, also
+after a failure or an interrupt.
 """
 from __future__ import annotations
 
@@ -10,16 +13,20 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import pytest
+
+import horovod_compress as hvdc
 
 from horovod_compress.cluster import (ClusterSpec, ClusterUnavailable, EmulatedCluster, namespaces_of,
                                       parse_rate, preflight)
 from horovod_compress.cost_model import (Network, OpCount, StepProfile, break_even_bandwidth, fit_link,
                                          predict, speedup)
+from horovod_compress.testing import read_case_results, worker_command
 
-CASES = Path(__file__).parent / "cases" / "cluster_cases.py"
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -136,6 +143,36 @@ def test_spec_validation():
 
 
 # ---------------------------------------------------------------- the cluster
+def case_topk_across_hosts(comm):
+    """A compressed allreduce across two hosts equals its dense reference, and the traffic crossed the
+    shaped link: 4 MB take at least what 100 Mbit allow."""
+    rng = np.random.default_rng(100 + comm.rank)
+    grads = [np.random.default_rng(100 + r).standard_normal(50_000).astype(np.float32)
+             for r in range(comm.size)]
+    x = grads[comm.rank]
+    assert np.array_equal(x, rng.standard_normal(50_000).astype(np.float32))
+    # density 1.0 keeps every element: TopkA must then equal the dense average exactly (up to fp32 sums)
+    method = hvdc.Compression.topk(density=1.0)
+    avg = method.allreduce(x, name="w", comm=comm)
+    ref = np.mean(np.stack(grads), axis=0)
+    np.testing.assert_allclose(avg, ref, rtol=1e-5, atol=1e-6)
+    # a sparse one: the sum of each rank's exact top-k, averaged
+    k = 500
+    sparse = hvdc.Compression.topk(density=k / x.size).allreduce(x, name="s", comm=comm)
+    expect = np.zeros_like(x)
+    for g in grads:
+        idx = np.argpartition(np.abs(g), -k)[-k:]
+        expect[idx] += g[idx]
+    np.testing.assert_allclose(sparse, expect / comm.size, rtol=1e-5, atol=1e-6)
+    big = np.ones(1_000_000, np.float32)           # 4 MB: ring allreduce moves 4 MB each way at P = 2
+    comm.barrier()
+    t0 = time.perf_counter()
+    out = comm.allreduce(big)
+    seconds = time.perf_counter() - t0
+    assert out[0] == comm.size
+    return {"netns": os.readlink("/proc/self/ns/net"), "seconds": seconds}
+
+
 @pytest.mark.timeout(240)
 def test_compressed_allreduce_across_two_shaped_hosts(tmp_path):
     name = f"t{os.getpid() % 100000}"
@@ -143,12 +180,11 @@ def test_compressed_allreduce_across_two_shaped_hosts(tmp_path):
     spec = ClusterSpec(hosts=2, bandwidth="100mbit", name=name)
     with EmulatedCluster(spec) as cluster:
         assert sorted(namespaces_of(name)) == sorted(spec.namespaces)
-        cmd = ["mpirun", "-np", "2", sys.executable, "-m", "horovod_compress.testing", str(CASES),
-               str(tmp_path), "topk_across_hosts"]
+        cmd = ["mpirun", "-np", "2", *worker_command(__file__, tmp_path, [case_topk_across_hosts])]
         proc = cluster.run(cmd, timeout=180, capture=True)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert namespaces_of(name) == []
-    results = [json.loads((tmp_path / f"rank{r}.json").read_text())["topk_across_hosts"] for r in range(2)]
+    results = list(read_case_results(tmp_path, 2)[case_topk_across_hosts].values())
     assert results[0]["netns"] != results[1]["netns"]            # two hosts, not one
     # 4 MB each way over a 100 Mbit link cannot take less than 0.32 s (0.34 s at line rate)
     assert min(r["seconds"] for r in results) > 0.3, results
@@ -211,8 +247,6 @@ def test_bench_e2e_writes_its_tables(tmp_path):
 
 
 def test_communicator_times_mpi_calls():
-    import numpy as np
-
     from horovod_compress.mpi_collectives import Communicator
     comm = Communicator()
     comm.allreduce(np.ones(1000, np.float32))
@@ -229,7 +263,6 @@ def test_communicator_times_mpi_calls():
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
 def test_nothing_left_after_an_interrupt(signame):
     import signal
-    import time
     name = f"i{os.getpid() % 100000}{signame[3].lower()}"
     _cluster_or_skip(name)
     script = (f"from horovod_compress.cluster import *\n"
@@ -250,8 +283,6 @@ def test_nothing_left_after_an_interrupt(signame):
 
 @pytest.mark.timeout(120)
 def test_up_refuses_to_rebuild_a_cluster_in_use():
-    import time
-
     from horovod_compress.cluster import ClusterError, up
     name = f"u{os.getpid() % 100000}"
     _cluster_or_skip(name)

@@ -10,6 +10,12 @@ optimizer's gradients (op Average, and P times them for Sum), the linear
 refused on every rank (or propagated under ``nonfinite="propagate"``), and
 ``compress()`` called by hand outside Horovod is refused with what to use
 instead.
+
+This file is also the script the horovodrun ranks run (``python
+tests/test_global_qsgd_horovod.py ENTRY OUT``, ENTRY the name of one of
+:data:`ENTRY_POINTS`). The variants are those of "Global-QSGD: Allreduce-Compatible
+Quantization for Distributed Learning with Theoretical Guarantees" (Xin et al.,
+2023): linear and exponential dithering, 8 and 4 bits.
 """
 import json
 import shutil
@@ -19,9 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from horovod_compress.testing import mpi_env
-
-SCRIPT = Path(__file__).parent / "cases" / "global_qsgd_horovod_script.py"
+from horovod_compress.testing import mpi_env, same_on_all_ranks
 
 try:
     import horovod.torch  # noqa: F401
@@ -38,7 +42,8 @@ def test_linear_8bit_through_horovods_allreduce(tmp_path):
     exe = str(Path(sys.executable).parent / "horovodrun")
     env = mpi_env({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     env.pop("HVDC_LAUNCHED", None)
-    proc = subprocess.run([exe, "-np", "2", sys.executable, str(SCRIPT), str(out)],
+    proc = subprocess.run([exe, "-np", "2", sys.executable, __file__,
+                           ranks_global_qsgd_in_horovod.__name__, str(out)],
                           capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     r = json.loads(out.read_text())
@@ -51,3 +56,152 @@ def test_linear_8bit_through_horovods_allreduce(tmp_path):
     assert r["variants_exact"] == {"lin8": True, "exp8": True, "exp4": True, "lin4": True,
                                    "lin8_sparse": True}
     assert r["outside_horovod_refused"]
+
+
+# ------------------------------------------------------------ on the horovodrun ranks
+def ranks_global_qsgd_in_horovod(report_path: str) -> None:
+    """Global-QSGD inside Horovod's own allreduce and DistributedOptimizer; rank 0 writes the
+    JSON report the test above checks to ``report_path``."""
+    import horovod.torch as hvd
+    import numpy as np
+    import torch
+
+    import horovod_compress as hvdc
+    import horovod_compress.torch as hvdc_torch
+    from horovod_compress.compressors.base import NonFiniteGradientError
+    from horovod_compress.horovod_compat import HorovodAdapterError
+
+    hvd.init()
+    hvdc_torch.init()  # joins the Horovod job's MPI world
+    rank, size = hvd.rank(), hvd.size()
+    comm = hvdc_torch.communicator()
+    report = {"size": size}
+
+
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+
+    # 1. hvd.DistributedOptimizer(compression=global_qsgd(linear)): what Horovod is handed, the
+    #    error against the true mean, and exactly our own optimizer's gradients (op Average and Sum)
+    handed_to_horovod = []
+    worst, equal_ours, equal_ranks, weights_equal, nonzero_err = 0.0, True, True, True, False
+    for op in (hvd.Average, hvd.Sum):
+        a, b = mlp(), mlp()
+        comp = hvdc.Compression.global_qsgd(dithering="linear", seed=3)
+        _compress = comp.compress
+
+        def recording_compress(tensor, _compress=_compress):
+            out, ctx = _compress(tensor)
+            handed_to_horovod.append(f"{out.dtype}{tuple(out.shape)}")
+            return out, ctx
+
+        comp.compress = recording_compress  # Horovod calls self._compression.compress
+        opt_a = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.1),
+                                         named_parameters=a.named_parameters(), compression=comp,
+                                         op=op)
+        opt_b = hvdc_torch.DistributedOptimizer(
+            torch.optim.SGD(b.parameters(), lr=0.1), named_parameters=b.named_parameters(),
+            compression=hvdc.Compression.global_qsgd(dithering="linear", seed=3), op=op)
+        scale = size if op == hvd.Sum else 1
+        for step in range(3):
+            x = torch.from_numpy(np.random.default_rng(100 * step + rank)
+                                 .standard_normal((8, 16)).astype(np.float32))
+            local = None
+            for opt, model in ((opt_a, a), (opt_b, b)):
+                opt.zero_grad()
+                model(x).square().sum().backward()
+                if model is a:
+                    local = {n: p.grad.clone().numpy() for n, p in model.named_parameters()}
+                opt.synchronize()
+            # every rank's rounding error is below one level, norm / s, with norm the inf-norm
+            # over the fused bucket (at most the inf-norm over all gradients); so is the average's
+            s = 127 // size
+            everyone = {n: comm.allgather(g).astype(np.float64) for n, g in local.items()}
+            norm = max(float(np.abs(e).max()) for e in everyone.values())
+            for (n, p), q in zip(a.named_parameters(), b.parameters()):
+                got = p.grad.numpy()
+                equal_ours &= bool(np.array_equal(got, q.grad.numpy()))
+                avg = got.astype(np.float64) / scale
+                true = everyone[n].mean(0)
+                worst = max(worst, float(np.abs(avg - true).max() / (norm / s)))
+                nonzero_err |= bool(np.abs(avg - true).max() > 0)
+                equal_ranks &= same_on_all_ranks(comm, got)
+            for opt in (opt_a, opt_b):
+                with opt.skip_synchronize():
+                    opt.step()
+        weights_equal &= same_on_all_ranks(comm, a[0].weight.detach().numpy())
+        opt_b.close()
+    report["dtypes_handed_to_horovod"] = sorted(set(handed_to_horovod))
+    report["worst_error_in_levels"] = worst
+    report["quantized"] = nonzero_err
+    report["equal_to_our_optimizer"] = equal_ours
+    report["grads_equal_on_ranks"] = equal_ranks
+    report["weights_equal"] = weights_equal
+
+    # 2. unbiased through Horovod: average over T seeds of hvd.allreduce(compression=global_qsgd)
+    T, d = 200, 512
+    g = torch.from_numpy(np.random.default_rng(10 + rank).standard_normal(d).astype(np.float32))
+    true = comm.allgather(g.numpy()).astype(np.float64).mean(0)
+    outs = np.empty((T, d))
+    for k in range(T):
+        c = hvdc.Compression.global_qsgd(dithering="linear", seed=k)
+        outs[k] = hvd.allreduce(g, name=f"unbiased.{k}", compression=c).numpy()
+    mse = float(((outs - true) ** 2).sum(1).mean())
+    bias = outs.mean(0) - true
+    report["R"] = float((bias ** 2).sum() / (mse / T))
+
+    # 3. NaN on one rank: refused on every rank (default policy), or the dense average (propagate)
+    bad = g.clone()
+    if rank == 1:
+        bad[5] = float("nan")
+    try:
+        hvd.allreduce(bad, name="nan.raise",
+                      compression=hvdc.Compression.global_qsgd(dithering="linear"))
+        raised = False
+    except NonFiniteGradientError as exc:
+        raised = "NaN" in str(exc)
+    c = hvdc.Compression.global_qsgd(dithering="linear", nonfinite="propagate")
+    out = hvd.allreduce(bad, name="nan.propagate", compression=c).numpy()
+    dense = comm.allreduce(bad.numpy(), op="avg")
+    report["nan_policy"] = bool(raised and np.allclose(out, dense, equal_nan=True)
+                                and np.isnan(out[5]))
+
+    # 4. every variant (custom reduction operators included) through hvd.allreduce: exactly the
+    #    method's own result, times P for op=Sum
+    variants = {"lin8": {"dithering": "linear"}, "exp8": {}, "exp4": {"bits": 4},
+                "lin4": {"dithering": "linear", "bits": 4},
+                "lin8_sparse": {"dithering": "linear", "sparse": True}}
+    exact = {}
+    for label, kw in variants.items():
+        mine, ref = hvdc.Compression.global_qsgd(**kw), hvdc.Compression.global_qsgd(**kw)
+        ok = True
+        for step, op in enumerate((hvd.Average, hvd.Sum)):
+            x = g * (step + 1)
+            got = hvd.allreduce(x, name=f"variant.{label}", compression=mine, op=op).numpy()
+            want = ref.allreduce(x.numpy(), f"variant.{label}", comm) * np.float32(
+                size if op == hvd.Sum else 1)
+            ok &= bool(np.array_equal(got, want))
+        exact[label] = ok
+    report["variants_exact"] = exact
+
+    # 5. compress() called by hand, outside Horovod: refused, saying what to use instead
+    try:
+        hvdc.Compression.global_qsgd(dithering="linear").compress(g)
+        report["outside_horovod_refused"] = False
+    except HorovodAdapterError as exc:
+        report["outside_horovod_refused"] = "outside Horovod" in str(exc)
+
+    if rank == 0:
+        with open(report_path, "w") as f:
+            json.dump(report, f)
+    comm.barrier()
+
+
+# What ``python tests/test_global_qsgd_horovod.py ENTRY OUT`` runs on horovodrun ranks.
+ENTRY_POINTS = (ranks_global_qsgd_in_horovod,)
+
+
+if __name__ == "__main__":
+    {f.__name__: f for f in ENTRY_POINTS}[sys.argv[1]](*sys.argv[2:])

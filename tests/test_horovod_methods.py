@@ -1,6 +1,6 @@
 """Every method inside Horovod's own optimizers, on 2 real ranks (horovodrun -np 2), issue 16.
 
-One launch per framework runs every check (tests/cases/horovod_methods_torch.py,
+One launch per framework runs every check (tests/scripts/horovod_methods_torch.py,
 horovod_methods_tf.py) and writes a JSON report; each check is a test here, so
 a failure names the method, the op and what differed. Zero silent wrong
 results: Horovod's ``DistributedOptimizer`` (PyTorch) and
@@ -15,10 +15,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CASES
 
 import horovod_compress as hvdc
-from horovod_compress.testing import mpi_env
+from horovod_compress.testing import find_cases, mpi_env
+
+SCRIPTS = Path(__file__).parent / "scripts"
+TORCH_SCRIPT = SCRIPTS / "horovod_methods_torch.py"
+TF_SCRIPT = SCRIPTS / "horovod_methods_tf.py"
 
 try:
     import horovod.torch  # noqa: F401
@@ -31,13 +34,11 @@ pytestmark = [pytest.mark.horovod, pytest.mark.mpi,
                                  "(scripts/setup.sh builds it)")]
 
 METHODS = hvdc.Compression.available()
-TORCH_CHECKS = [f"torch_optimizer[{m}-{op}]" for m in METHODS for op in ("Average", "Sum")] + [
-    "torch_uncalled_factory_topk", "torch_uncalled_factory_fp16", "torch_predivide_topk",
-    "torch_backward_passes_topk", "torch_adasum_refused_topk", "torch_adasum_fp16_runs",
-    "torch_allreduce_direct_topk_sum", "torch_allreduce_unnamed_stateful_refused",
-    "torch_allreduce_min_refused", "torch_reducescatter_refused", "torch_process_set_topk"]
-TF_CHECKS = [f"tf_tape[{m}-{op}]" for m in METHODS for op in ("Average", "Sum")] + [
-    "tf_uncalled_factory_topk", "tf_allreduce_direct_topk", "tf_adasum_refused_topk"]
+# each method x op, then the scripts' case_* checks (found by name)
+TORCH_CHECKS = [f"torch_optimizer[{m}-{op}]" for m in METHODS for op in ("Average", "Sum")] + \
+    find_cases(TORCH_SCRIPT)
+TF_CHECKS = [f"tf_tape[{m}-{op}]" for m in METHODS for op in ("Average", "Sum")] + \
+    find_cases(TF_SCRIPT)
 
 
 def horovodrun(script: Path, out: Path, timeout: int = 900) -> None:
@@ -53,7 +54,7 @@ def horovodrun(script: Path, out: Path, timeout: int = 900) -> None:
 @pytest.fixture(scope="module")
 def torch_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("hvd_torch") / "report.json"
-    horovodrun(CASES / "horovod_methods_torch.py", out)
+    horovodrun(TORCH_SCRIPT, out)
     return json.loads(out.read_text())
 
 
@@ -61,7 +62,7 @@ def torch_report(tmp_path_factory):
 def tf_report(tmp_path_factory):
     pytest.importorskip("horovod.tensorflow")
     out = tmp_path_factory.mktemp("hvd_tf") / "report.json"
-    horovodrun(CASES / "horovod_methods_tf.py", out)
+    horovodrun(TF_SCRIPT, out)
     return json.loads(out.read_text())
 
 

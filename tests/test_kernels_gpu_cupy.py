@@ -2,25 +2,18 @@
 
 Skipped cleanly when CuPy is not installed or no CUDA device is visible (or
 when this process runs Numba's simulator, which cannot launch on CuPy memory).
-The checks are the simulator's (tests/cases/kernels_gpu_cases.py), so both
-array kinds are held to the same bit-for-bit contract.
+The checks are the simulator's (``check_*`` in tests/test_kernels_gpu.py), so
+both array kinds are held to the same bit-for-bit contract.
 """
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent / "cases"))
-import kernels_gpu_cases  # noqa: E402
-
-sys.path.pop(0)
+from test_kernels_gpu import CHECKS
 
 
-@pytest.mark.parametrize("check", kernels_gpu_cases.CHECKS)
-def test_gpu_kernel_matches_cpu_on_cupy_arrays(check: str, cupy) -> None:
-    getattr(kernels_gpu_cases, check)(cupy.asarray, cupy.asnumpy)
+@pytest.mark.parametrize("check", CHECKS)
+def test_gpu_kernel_matches_cpu_on_cupy_arrays(check, cupy) -> None:
+    check(cupy.asarray, cupy.asnumpy)
 
 
 def test_dispatch_picks_gpu_for_cupy(cupy) -> None:

@@ -1,44 +1,166 @@
 """PowerSGD against PyTorch's own ``powerSGD_hook`` -- code nobody here wrote.
 
-The MPI case (tests/cases/lowrank_cases.py, ``case_powersgd_matches_torch``)
-starts a torch.distributed gloo group (env:// rendezvous on 127.0.0.1, a free
-port chosen by rank 0) inside the same mpirun ranks, feeds identical inputs to
+Paper: "PowerSGD: Practical Low-Rank Gradient Compression for Distributed
+Optimization" (Vogels, Karimireddy, Jaggi, NeurIPS 2019), Algorithm 1 with
+error feedback and warm start, as implemented by PyTorch's DDP hook.
+
+``case_powersgd_matches_torch`` (run on 2 and 4 real ranks) starts a
+torch.distributed gloo group (env:// rendezvous on 127.0.0.1, a free port
+chosen by rank 0) inside the same mpirun ranks, feeds identical inputs to
 ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`` (one tensor per
 bucket) and to our PowerSGD on mpi4py with the same rank, seed, warm start,
 error feedback, ``start_powerSGD_iter`` and ``min_compression_rate``, and
 compares every output of every step. The remaining PowerSGD cases (bytes, edge
-shapes, checkpoints) run in tests/test_greedylore.py's launches. The 4-rank
-launch is shared with tests/test_greedylore_digits.py (tests/cases/lowrank_launch.py).
+shapes, checkpoints) run with the other low-rank methods in
+tests/test_greedylore.py.
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+import os
+import socket
 
 import numpy as np
 import pytest
 
 import horovod_compress as hvdc
 from horovod_compress.compressors.lowrank_common import orthogonalize, should_compress
+from horovod_compress.compressors.powersgd import PowerSGD
+from horovod_compress.testing import low_rank_gradient, relative_error, run_cases, same_on_all_ranks
 
 
-def lowrank_launch():
-    """tests/cases/lowrank_launch.py, loaded once per session (its launches are cached)."""
-    name = "hvdc_tests_lowrank_launch"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            name, Path(__file__).parent / "cases" / "lowrank_launch.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+# ----------------------------------------------------- PowerSGD vs torch
+class _Bucket:
+    """The four GradBucket methods powerSGD_hook calls, over one tensor (one bucket per tensor)."""
+
+    def __init__(self, index, tensor, last):
+        self._index, self._shape, self._last = index, tuple(tensor.shape), last
+        self._buf = tensor.reshape(-1).clone()
+
+    def index(self):
+        return self._index
+
+    def buffer(self):
+        return self._buf
+
+    def gradients(self):
+        return [self._buf.view(self._shape)]
+
+    def is_last(self):
+        return self._last
+
+    def parameters(self):
+        return []
 
 
+def _init_torch_dist(comm):
+    import torch.distributed as dist
+    if dist.is_initialized():
+        return dist
+    port = None
+    if comm.rank == 0:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = comm.broadcast_object(port)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "RANK": str(comm.rank), "WORLD_SIZE": str(comm.size)})
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method="env://", rank=comm.rank, world_size=comm.size)
+    return dist
+
+
+TORCH_SHAPES = [(32, 48), (48, 24), (16, 4, 3, 3), (6, 6), (24,), (40, 40)]
+TORCH_CONFIGS = [
+    # (rank, warm_start, use_error_feedback, dtype, seed)
+    (1, True, True, "float32", 0),      # Gram-Schmidt path, warm start
+    (4, True, True, "float32", 3),      # Householder QR path, warm start
+    (4, False, True, "float32", 5),     # fresh Q every step
+    (2, True, False, "float32", 11),    # no error feedback
+    (3, True, True, "float64", 7),
+]
+
+
+def case_powersgd_matches_torch(comm):
+    """Same inputs through torch's powerSGD_hook (gloo) and our PowerSGD (mpi4py)."""
+    import torch
+
+    import horovod_compress.torch  # noqa: F401  (registers q_init="torch")
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ph
+    torch.set_num_threads(1)
+    dist = _init_torch_dist(comm)
+    start, steps = 2, 7
+    out = {}
+    for rank, warm, ef, dt, seed in TORCH_CONFIGS:
+        dtype = np.dtype(dt)
+        state = ph.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                 start_powerSGD_iter=start, min_compression_rate=2,
+                                 use_error_feedback=ef, warm_start=warm, random_seed=seed)
+        ours = hvdc.Compression.powersgd(rank=rank, warm_start=warm, q_init="torch", seed=seed,
+                                         warmup_steps=start,
+                                         feedback="residual" if ef else "none")
+        worst = 0.0
+        compressed = 0
+        for step in range(1, steps + 1):
+            for k, shape in enumerate(TORCH_SHAPES):
+                g = low_rank_gradient(shape, comm.rank, step, k, seed=seed, dtype=dtype)
+                bucket = _Bucket(k, torch.from_numpy(g.copy()), last=k == len(TORCH_SHAPES) - 1)
+                theirs = ph.powerSGD_hook(state, bucket).wait().view(shape).numpy().copy()
+                mine = ours.allreduce(g, f"t{k}", comm)
+                assert mine.shape == theirs.shape and mine.dtype == theirs.dtype
+                err = relative_error(mine, theirs)
+                worst = max(worst, err)
+                assert same_on_all_ranks(comm, mine)
+                if step > start and ours.expected_bytes(shape, comm.size) < \
+                        2.0 * np.prod(shape) * dtype.itemsize * (comm.size - 1) / comm.size:
+                    compressed += 1
+        if rank == 4 and warm:
+            # control: the same algorithm with our own Q stream is far from torch's outputs
+            control = hvdc.Compression.powersgd(rank=rank, warm_start=warm, seed=seed,
+                                                warmup_steps=start)
+            ph_state = ph.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                        start_powerSGD_iter=start, use_error_feedback=ef,
+                                        warm_start=warm, random_seed=seed)
+            diff = 0.0
+            for step in range(1, start + 2):
+                for k, shape in enumerate(TORCH_SHAPES):
+                    g = low_rank_gradient(shape, comm.rank, step, k, seed=seed, dtype=dtype)
+                    b = _Bucket(k, torch.from_numpy(g.copy()), last=k == len(TORCH_SHAPES) - 1)
+                    theirs = ph.powerSGD_hook(ph_state, b).wait().view(shape).numpy().copy()
+                    diff = max(diff, relative_error(control.allreduce(g, f"t{k}", comm), theirs))
+            out["control_shared_q_init_rel"] = diff
+        tol = 1e-9 if dtype == np.float64 else 2e-4
+        assert worst < tol, (rank, warm, ef, dt, worst)
+        out[f"r{rank}_warm{int(warm)}_ef{int(ef)}_{dt}"] = {"worst_rel": worst,
+                                                            "compressed_calls": compressed}
+    dist.barrier()
+    return out
+
+
+def case_checkpoint_torch_rng(comm):
+    """The torch-compatible Q stream (a RandomState shared by all tensors) survives a checkpoint:
+    state_dict mid-run -> fresh instance -> identical outputs afterwards."""
+    import horovod_compress.torch  # noqa: F401  (registers q_init="torch")
+
+    def make():
+        return PowerSGD(rank=2, seed=3, q_init="torch", warm_start=False)
+    a = make()
+    for t in range(1, 6):
+        a.allreduce(low_rank_gradient((10, 14), comm.rank, t, 0), "w", comm)
+    b = make()
+    b.load_state_dict(a.state_dict())
+    same = True
+    for t in range(6, 10):
+        g = low_rank_gradient((10, 14), comm.rank, t, 0)
+        same &= bool(np.array_equal(a.allreduce(g, "w", comm), b.allreduce(g, "w", comm)))
+    assert same, "powersgd_torch"
+    return {"powersgd_torch": same}
+
+
+# ------------------------------------------------------ tests on MPI results
 @pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
 def torch_run(request):
     pytest.importorskip("torch")
-    return request.param, lowrank_launch().torch_launch(request.param)
+    return request.param, run_cases(request.param, __file__, timeout=900)
 
 
 def test_matches_torch_powersgd_hook(torch_run):
@@ -48,7 +170,7 @@ def test_matches_torch_powersgd_hook(torch_run):
     float64 within 1e-9 (measured ~3e-15). The control -- the same algorithm drawing Q
     from our own seed -- is far off, so the agreement is not an accident."""
     _p, res = torch_run
-    for out in res["case_powersgd_matches_torch"].values():
+    for out in res[case_powersgd_matches_torch].values():
         configs = {k: v for k, v in out.items() if k != "control_shared_q_init_rel"}
         assert len(configs) == 5
         for key, v in configs.items():
@@ -60,7 +182,7 @@ def test_matches_torch_powersgd_hook(torch_run):
 
 def test_torch_rng_stream_survives_checkpoint(torch_run):
     _p, res = torch_run
-    for out in res["case_checkpoint_torch_rng"].values():
+    for out in res[case_checkpoint_torch_rng].values():
         assert out["powersgd_torch"]
 
 

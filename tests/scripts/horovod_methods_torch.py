@@ -7,7 +7,12 @@ the same method (same buckets, names, state) -- and ``none``/``fp16``/``bf16``,
 which Horovod reduces itself, the dense average. Plus the options: Adasum
 refused for compressed methods, predivide, backward_passes_per_step, the
 uncalled factory, direct ``hvd.allreduce``, non-linear ops and reducescatter
-refused, a process set. Writes {check: "ok" | error text} as JSON (rank 0).
+refused, a process set. Writes {check: "ok" | error text} as JSON (rank 0) to
+the path given as the only argument: ``torch_optimizer[<method>-<op>]`` for
+each method x op, and each ``case_*(comm)`` below under its function name
+(tests/test_horovod_methods.py finds them by name). Launched by horovodrun
+(it imports Horovod at the top and runs every check on import), so it is not
+a test module.
 """
 import json
 import os
@@ -23,6 +28,7 @@ import torch  # noqa: E402
 import horovod_compress as hvdc  # noqa: E402
 import horovod_compress.torch as hvdc_torch  # noqa: E402
 from horovod_compress.mpi_collectives import Communicator  # noqa: E402
+from horovod_compress.testing import same_on_all_ranks  # noqa: E402
 
 hvd.init()
 hvdc_torch.init()
@@ -33,15 +39,20 @@ report: dict[str, str] = {}
 STEPS = 3
 
 
-def check(name):
-    def deco(fn):
-        try:
-            fn()
-            report[name] = "ok"
-        except Exception as exc:  # noqa: BLE001 - recorded per check
-            report[name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
-        return fn
-    return deco
+def record(label, fn):
+    """Run ``fn()`` now; the report holds ``"ok"`` or the error under ``label``."""
+    try:
+        fn()
+        report[label] = "ok"
+    except Exception as exc:  # noqa: BLE001 - recorded per check
+        report[label] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
+
+
+def case(fn):
+    """Run the check ``fn(comm)`` now, reported under its function name (``case_*``, found by
+    name by the test)."""
+    record(fn.__name__, lambda: fn(comm))
+    return fn
 
 
 def model_pair(seed=0):
@@ -78,8 +89,7 @@ def dense_reference(model_fresh, step):
 
 def same_on_ranks(arrays):
     for a in arrays:
-        all_a = comm.allgather(np.ascontiguousarray(a))
-        assert (all_a == all_a[0]).all(), "ranks disagree"
+        assert same_on_all_ranks(comm, a), "ranks disagree"
 
 
 def run_pair(method_name, op, hvd_kwargs=None, our_kwargs=None, passes=1, factory=False):
@@ -132,32 +142,33 @@ def run_pair(method_name, op, hvd_kwargs=None, our_kwargs=None, passes=1, factor
 
 for name in hvdc.Compression.available():
     for op_label, op in (("Average", hvd.Average), ("Sum", hvd.Sum)):
-        check(f"torch_optimizer[{name}-{op_label}]")(lambda name=name, op=op: run_pair(name, op))
+        record(f"torch_optimizer[{name}-{op_label}]",
+               lambda name=name, op=op: run_pair(name, op))
 
 
-@check("torch_uncalled_factory_topk")
-def _():
+@case
+def case_uncalled_factory_topk(comm):
     run_pair("topk", hvd.Average, factory=True)
 
 
-@check("torch_uncalled_factory_fp16")
-def _():
+@case
+def case_uncalled_factory_fp16(comm):
     run_pair("fp16", hvd.Average, factory=True)
 
 
-@check("torch_predivide_topk")
-def _():
+@case
+def case_predivide_topk(comm):
     run_pair("topk", hvd.Average, hvd_kwargs={"gradient_predivide_factor": 4.0},
              our_kwargs={"gradient_predivide_factor": 4.0})
 
 
-@check("torch_backward_passes_topk")
-def _():
+@case
+def case_backward_passes_topk(comm):
     run_pair("topk", hvd.Average, passes=2)
 
 
-@check("torch_adasum_refused_topk")
-def _():
+@case
+def case_adasum_refused_topk(comm):
     a, _ = model_pair()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.05),
                                    named_parameters=a.named_parameters(),
@@ -171,8 +182,8 @@ def _():
     raise AssertionError("Adasum with topk was not refused")
 
 
-@check("torch_adasum_fp16_runs")
-def _():
+@case
+def case_adasum_fp16_runs(comm):
     a, _ = model_pair()
     opt = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.05),
                                    named_parameters=a.named_parameters(),
@@ -183,8 +194,8 @@ def _():
     same_on_ranks([p.detach().numpy() for p in a.parameters()])
 
 
-@check("torch_allreduce_direct_topk_sum")
-def _():
+@case
+def case_allreduce_direct_topk_sum(comm):
     x = batch(7)[0]
     m1, m2 = hvdc.Compression.topk(density=0.1), hvdc.Compression.topk(density=0.1)
     for step in range(2):
@@ -193,8 +204,8 @@ def _():
         assert np.array_equal(got, want), np.abs(got - want).max()
 
 
-@check("torch_allreduce_unnamed_stateful_refused")
-def _():
+@case
+def case_allreduce_unnamed_stateful_refused(comm):
     try:
         hvd.allreduce(batch(7)[0], compression=hvdc.Compression.oktopk())
     except ValueError as exc:
@@ -203,8 +214,8 @@ def _():
     raise AssertionError("no error")
 
 
-@check("torch_allreduce_min_refused")
-def _():
+@case
+def case_allreduce_min_refused(comm):
     try:
         hvd.allreduce(batch(7)[0], name="min.x", compression=hvdc.Compression.topk(),
                       op=hvd.Min)
@@ -214,8 +225,8 @@ def _():
     raise AssertionError("no error")
 
 
-@check("torch_reducescatter_refused")
-def _():
+@case
+def case_reducescatter_refused(comm):
     try:
         hvd.reducescatter(batch(7)[0], compression=hvdc.Compression.topk())
     except ValueError as exc:
@@ -224,8 +235,8 @@ def _():
     raise AssertionError("no error")
 
 
-@check("torch_process_set_topk")
-def _():
+@case
+def case_process_set_topk(comm):
     ps = hvd.add_process_set([0])
     a, b = model_pair()
     opt_a = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.05),

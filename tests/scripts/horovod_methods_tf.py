@@ -7,7 +7,11 @@ step, what the method's own ``allreduce`` gives on the same local gradients
 under the same tensor names (a fresh instance of the method, times P for Sum);
 ``none``/``fp16``/``bf16``, which Horovod reduces itself, the dense average.
 Plus: direct ``hvd.allreduce``, Adasum refused, the uncalled factory.
-Writes {check: "ok" | error text} as JSON (rank 0).
+Writes {check: "ok" | error text} as JSON (rank 0) to the path given as the
+only argument: ``tf_tape[<method>-<op>]`` for each method x op, and each
+``case_*(comm)`` below under its function name (tests/test_horovod_methods.py
+finds them by name). Launched by horovodrun (it imports Horovod at the top and
+runs every check on import), so it is not a test module.
 """
 import json
 import os
@@ -22,6 +26,7 @@ import tensorflow as tf  # noqa: E402
 
 import horovod_compress as hvdc  # noqa: E402
 import horovod_compress.tensorflow as hvdc_tf  # noqa: E402
+from horovod_compress.testing import same_on_all_ranks  # noqa: E402
 
 hvd.init()
 hvdc_tf.init()
@@ -31,15 +36,20 @@ report: dict[str, str] = {}
 STEPS = 3
 
 
-def check(name):
-    def deco(fn):
-        try:
-            fn()
-            report[name] = "ok"
-        except Exception as exc:  # noqa: BLE001 - recorded per check
-            report[name] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
-        return fn
-    return deco
+def record(label, fn):
+    """Run ``fn()`` now; the report holds ``"ok"`` or the error under ``label``."""
+    try:
+        fn()
+        report[label] = "ok"
+    except Exception as exc:  # noqa: BLE001 - recorded per check
+        report[label] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
+
+
+def case(fn):
+    """Run the check ``fn(comm)`` now, reported under its function name (``case_*``, found by
+    name by the test)."""
+    record(fn.__name__, lambda: fn(comm))
+    return fn
 
 
 def variables():
@@ -113,24 +123,23 @@ def run(method_name, op, factory=False):
                 assert np.array_equal(g, want), \
                     f"step {step} {name}: differs by {np.abs(g - want).max()}"
         for g in got:
-            all_g = comm.allgather(np.ascontiguousarray(g))
-            assert (all_g == all_g[0]).all(), "ranks disagree"
+            assert same_on_all_ranks(comm, g), "ranks disagree"
         for v, g in zip(vs, got):
             v.assign_sub(0.05 * g)
 
 
 for name in hvdc.Compression.available():
     for op_label, op in (("Average", hvd.Average), ("Sum", hvd.Sum)):
-        check(f"tf_tape[{name}-{op_label}]")(lambda name=name, op=op: run(name, op))
+        record(f"tf_tape[{name}-{op_label}]", lambda name=name, op=op: run(name, op))
 
 
-@check("tf_uncalled_factory_topk")
-def _():
+@case
+def case_uncalled_factory_topk(comm):
     run("topk", hvd.Average, factory=True)
 
 
-@check("tf_allreduce_direct_topk")
-def _():
+@case
+def case_allreduce_direct_topk(comm):
     x = batch(5)[0]
     m1, m2 = hvdc.Compression.topk(density=0.1), hvdc.Compression.topk(density=0.1)
     for step in range(2):
@@ -139,8 +148,8 @@ def _():
         assert np.array_equal(got, want), np.abs(got - want).max()
 
 
-@check("tf_adasum_refused_topk")
-def _():
+@case
+def case_adasum_refused_topk(comm):
     vs = variables()
     x, y = batch(0)
     with tf.GradientTape() as tape:
