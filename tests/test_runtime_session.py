@@ -91,3 +91,15 @@ def test_argument_checks_and_dtype_rule():
         check_backward_passes(0)
     assert working_dtype("float16") == "float16" and working_dtype("float64") == "float64"
     assert working_dtype("bfloat16") == "float32" and working_dtype("int32") == "float32"
+
+
+def test_settings_probe_plan_and_stats_helpers():
+    settings = StepSettings(measure_error_every=3)
+    assert [settings.probe_planned(s) for s in (1, 2, 3, 6)] == [False, False, True, True]
+    settings.measure_next = True
+    assert settings.probe_planned(1) and settings.measure_next          # planning consumes nothing
+    assert settings.measure_due(1) and not settings.measure_next       # the due check does
+    st = ExchangeStats(steps=5, bytes_sent=10.0, dense_bytes=40.0, seconds=1.5, error_count=2)
+    assert st.compression_ratio() == 4.0
+    st.reset()
+    assert st == ExchangeStats(steps=5) and np.isnan(st.compression_ratio())

@@ -40,12 +40,17 @@ def working_dtype(name: str) -> str:
     return key if key in NATIVE_DTYPES else "float32"
 
 
-def check_method(method: Any) -> "Method":
-    """``method`` if it is a :class:`~horovod_compress.Method`; ``ValueError`` otherwise."""
+def check_method(method: Any, what: str = "compression",
+                 error: type[Exception] = ValueError) -> "Method":
+    """``method`` if it is a :class:`~horovod_compress.Method`; ``error`` naming ``what`` otherwise.
+
+    Optimizers and reducers raise ``ValueError`` (a bad argument value), the
+    DDP comm hook ``TypeError`` (as it always has).
+    """
     from ..compressors.base import Method   # the compressors import the runtime
     if not isinstance(method, Method):
-        raise ValueError("compression must be a hvdc.Compression.<method>(...) object, "
-                         f"got {type(method).__name__}")
+        raise error(f"{what} must be a hvdc.Compression.<method>(...) object, "
+                    f"got {type(method).__name__}")
     return method
 
 

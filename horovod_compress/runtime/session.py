@@ -32,7 +32,7 @@ import numpy as np
 from .buckets import DEFAULT_BUCKET_BYTES, TensorSpec
 from .engine import GradientExchange
 from .scaling import Scaling
-from .stats import ExchangeStats, dense_ring_bytes, relative_error
+from .stats import ExchangeStats, dense_ring_bytes, record_error, skipped_count
 
 
 @dataclass
@@ -48,10 +48,14 @@ class StepSettings:
     measure_error_every: int = 0
     measure_next: bool = False
 
+    def probe_planned(self, step: int) -> bool:
+        """Whether step number ``step`` (1-based) will be probed, as seen at its start (nothing consumed)."""
+        every = self.measure_error_every
+        return self.measure_next or (every > 0 and step % every == 0)
+
     def measure_due(self, steps: int) -> bool:
         """Whether step number ``steps`` (1-based) is probed; consumes ``measure_next``."""
-        every = self.measure_error_every
-        due = self.measure_next or (every > 0 and steps % every == 0)
+        due = self.probe_planned(steps)
         if due:
             self.measure_next = False
         return due
@@ -176,9 +180,7 @@ class TrainingExchange:
         self._active = self.dense_exchange() if settings.dense else self.exchange
         self._sent, self._received = self.comm.bytes_sent, self.comm.bytes_received
         self._skipped_at_begin = self._skipped_count()   # before any bucket of the step runs
-        every, step = settings.measure_error_every, self.stats.steps + 1
-        probe = settings.measure_next or (every > 0 and step % every == 0)
-        self._inputs = {} if probe else None
+        self._inputs = {} if settings.probe_planned(self.stats.steps + 1) else None
 
     def _build(self, method: Any) -> GradientExchange:
         comm = self.comm
@@ -191,16 +193,9 @@ class TrainingExchange:
 
     def _skipped_count(self) -> int:
         """Steps the exchanges' methods dropped so far (``nonfinite="skip"``)."""
-        methods = [getattr(e.method, "method", e.method) for e in self.exchanges()]  # unwrap prefixes
-        return sum(int(getattr(m, "skipped_steps", 0)) for m in methods)
+        return skipped_count([e.method for e in self.exchanges()])
 
     def _measure_error(self, inputs: dict[str, Any], averaged: dict[str, Any]) -> None:
-        comm = self.comm
         xs = [inputs[s.name] if s.name in inputs else np.zeros(s.shape, np.float64)
               for s in self.specs]
-        sent, received = comm.bytes_sent, comm.bytes_received
-        err = relative_error(comm, xs, [averaged[s.name] for s in self.specs])
-        self.stats.check_bytes_sent += comm.bytes_sent - sent
-        self.stats.check_bytes_received += comm.bytes_received - received
-        self.stats.error_sum += err
-        self.stats.error_count += 1
+        record_error(self.stats, self.comm, xs, [averaged[s.name] for s in self.specs])

@@ -57,6 +57,7 @@ import tensorflow as tf
 
 from ..compressors.base import Method
 from ..runtime.buckets import DEFAULT_BUCKET_BYTES, TensorSpec
+from ..runtime.delegate import delegated
 from ..runtime.engine import GradientExchange
 from ..runtime.ops import Average, Sum, op_name  # noqa: F401  (re-exported)
 from ..runtime.scaling import Scaling, check_bucket_bytes, check_method, working_dtype
@@ -134,51 +135,14 @@ class GradientReducer:
         self._by_identity: dict[tuple, tuple[_VariableSet, list]] = {}
 
     # ------------------------------------------------- switches and factors
-    @property
-    def op(self) -> str:
-        """``"average"`` or ``"sum"``."""
-        return self.scaling.op
-
-    @property
-    def predivide(self) -> float:
-        """The ``gradient_predivide_factor``."""
-        return self.scaling.predivide
-
-    @property
-    def postscale(self) -> float:
-        """Extra factor on results (Horovod keras: summed accumulation)."""
-        return self.scaling.postscale
-
-    @postscale.setter
-    def postscale(self, value: float) -> None:
-        self.scaling.postscale = float(value)
-
-    @property
-    def dense(self) -> bool:
-        """True: exchange uncompressed (warm-up)."""
-        return self.settings.dense
-
-    @dense.setter
-    def dense(self, value: bool) -> None:
-        self.settings.dense = bool(value)
-
-    @property
-    def measure_error_every(self) -> int:
-        """n > 0: measure the compression error every n steps."""
-        return self.settings.measure_error_every
-
-    @measure_error_every.setter
-    def measure_error_every(self, value: int) -> None:
-        self.settings.measure_error_every = int(value)
-
-    @property
-    def measure_next(self) -> bool:
-        """Measure on the next step (then reset)."""
-        return self.settings.measure_next
-
-    @measure_next.setter
-    def measure_next(self, value: bool) -> None:
-        self.settings.measure_next = bool(value)
+    op = delegated("scaling.op", '``"average"`` or ``"sum"``.')
+    predivide = delegated("scaling.predivide", "The ``gradient_predivide_factor``.")
+    postscale = delegated("scaling.postscale",
+                          "Extra factor on results (Horovod keras: summed accumulation).", float)
+    dense = delegated("settings.dense", "True: exchange uncompressed (warm-up).", bool)
+    measure_error_every = delegated("settings.measure_error_every",
+                                    "n > 0: measure the compression error every n steps.", int)
+    measure_next = delegated("settings.measure_next", "Measure on the next step (then reset).", bool)
 
     # ----------------------------------------------------------------- API
     def reduce(self, grads: Sequence[Any], variables: Sequence[Any],

@@ -28,8 +28,8 @@ average over ranks in a completed ``torch.futures.Future``:
   ("PowerSGD: Practical Low-Rank Gradient Compression for Distributed
   Optimization", Vogels et al., NeurIPS 2019, Section 3 / Algorithm 1).
   A bucket's collectives of one round are fused into one call each (all
-  ``P``\ s and the tensors sent dense in one allreduce, all ``Q``\ s in the
-  next, as that hook does), with byte counts and results per parameter as in
+  ``P`` matrices and the tensors sent dense in one allreduce, all ``Q``
+  matrices in the next, as that hook does), with byte counts and results per parameter as in
   a sequential run (``hook.state.lockstep = False`` runs them one by one).
   PowerSGD does it itself (``PowerSGD.allreduce_many``: the whole bucket on
   the hook's thread, the estimates written straight into the bucket); the
@@ -38,12 +38,11 @@ average over ranks in a completed ``torch.futures.Future``:
 
 Everything else is the method's own: error feedback (``feedback=``), warm-up
 (``warmup_steps=``: dense allreduces first, per tensor), the NaN/Inf policy and
-the cross-rank signature check of :meth:`Method.allreduce`. The hook only
-converts tensors (zero-copy NumPy views of CPU buffers) and names the state.
+the cross-rank signature check of :meth:`Method.allreduce`.
 
 Names. A matrix method's state is keyed by the parameter's name (pass
-``model=`` to use ``model.named_parameters()``; otherwise ``param<i>`` in the
-order of ``model.parameters()`` if given, else by bucket position). A flat
+``model=`` to use ``model.named_parameters()``; otherwise by bucket position,
+``b<bucket index>.<position>``). A flat
 method's state is keyed by the parameters the bucket holds, in bucket order.
 DDP puts every parameter into one bucket in the first iteration and rebuilds
 its buckets after it (``torch.nn.parallel.DistributedDataParallel``'s bucket
@@ -67,78 +66,97 @@ training resumes bit for bit where it stopped. This needs parameter names
 Communication goes through :func:`~horovod_compress.mpi_collectives.default_communicator`:
 inside a ``torchrun`` job a
 :class:`~horovod_compress.mpi_collectives.torch_dist.TorchCommunicator` (gloo,
-no MPI needed); under ``mpirun`` the mpi4py one. Its byte counts follow the
-project's volume model and are summarised by :meth:`HookState.statistics`.
+no MPI needed); under ``mpirun`` the mpi4py one.
+
+Statistics are the other front-ends': ``hook.state.stats`` is an
+:class:`~horovod_compress.runtime.stats.ExchangeStats` (steps = DDP
+iterations, bytes under the project's volume model, the
+dense ring equivalent, seconds inside the hook, probed compression errors),
+with ``comm_seconds``, ``step_skipped`` and the switches
+``hook.state.settings`` (:class:`~horovod_compress.runtime.session.StepSettings`:
+``measure_error_every``, ``measure_next``, ``dense``) as on the optimizer;
+:meth:`HookState.statistics` summarises them as a dict.
+
+This module only turns DDP's ``GradBucket`` into the runtime's
+:class:`~horovod_compress.runtime.hook.BucketView` (NumPy views of CPU
+buffers, a write-back for the rest) and completes its future; bucket
+layouts, regrouping, fusion, statistics and checkpoints are
+:class:`~horovod_compress.runtime.hook.HookExchange`'s.
 """
 from __future__ import annotations
 
-import hashlib
-import time
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from ..compressors.base import Method
-from ..mpi_collectives.lockstep import Lockstep
+from ..runtime.delegate import delegated
+from ..runtime.hook import ArraySlot, HookExchange
+from ..runtime.scaling import check_method
 from .optimizer import from_safe_state, to_safe_state
-from .tensors import copy_into, to_array
-
-STATE_VERSION = 1
-_NUMPY_DTYPES = {torch.float32: np.dtype(np.float32), torch.float64: np.dtype(np.float64),
-                 torch.float16: np.dtype(np.float16)}
-_FLAT_PREFIX = "ddp["
+from .tensors import tensor_slot
 
 
-def _flat_key(names: tuple[str, ...], numel: int) -> str:
-    """The state key of a flat bucket: its parameters (in bucket order) and size."""
-    digest = hashlib.blake2b("\0".join(names).encode(), digest_size=4).hexdigest()
-    return f"{_FLAT_PREFIX}{names[0]}..{names[-1]}|{len(names)}|{numel}|{digest}]"
+class _DDPBucket:
+    """A ``GradBucket`` and its future as the runtime's :class:`~horovod_compress.runtime.hook.BucketView`."""
+
+    def __init__(self, bucket: Any, names: tuple[str, ...], fut: torch.futures.Future) -> None:
+        self._bucket, self._fut = bucket, fut
+        self._buf = bucket.buffer()
+        self.names = names
+        self.numel = self._buf.numel()
+        self.nbytes = self.numel * self._buf.element_size()
+        self.is_last = bucket.is_last()
+
+    def flat(self) -> ArraySlot:
+        return tensor_slot(self._buf)
+
+    def parameters(self) -> list[ArraySlot]:
+        return [tensor_slot(g) for g in self._bucket.gradients()]
+
+    def complete(self) -> None:
+        self._fut.set_result(self._buf)
 
 
 class HookState:
-    """What the hook keeps between calls: the method (with its per-tensor state), names, counters.
+    """What the hook keeps between calls: parameter names and the runtime's exchange.
+
+    ``exchange`` is the :class:`~horovod_compress.runtime.hook.HookExchange`
+    (the method with its per-tensor state, bucket layout, statistics); the
+    properties below are its public names.
 
     ``state_dict()`` holds tensors and plain Python values only (``torch.load``
     with ``weights_only=True`` reads it) and ``load_state_dict`` restores the
     method's state bit for bit.
     """
 
+    method = delegated("exchange.method", "The compression method (with its per-tensor state).")
+    comm = delegated("_comm", "The communicator the method talks through (``comm.stats()``).")
+    stats = delegated("exchange.stats", "Cumulative ExchangeStats on this rank (as the optimizer's).")
+    settings = delegated("exchange.settings", "StepSettings: warm-up (``dense``), error probes.")
+    comm_seconds = delegated("exchange.comm_seconds", "Seconds inside the method's allreduce.")
+    wait_seconds = delegated("exchange.wait_seconds", "0: the hook is synchronous.")
+    step_skipped = delegated("exchange.step_skipped", "A bucket of the last iteration was dropped "
+                             "(``nonfinite='skip'``, NaN/Inf on some rank).")
+    lockstep = delegated("exchange.lockstep", "Fuse the per-parameter collectives of a bucket.", bool)
+    record = delegated("exchange.record", "A list: every allreduce's (name, input, average).",
+                       writable=True)
+    iteration = delegated("exchange.stats.steps", "Completed DDP iterations.", int)
+    calls = delegated("exchange.calls", "Hook calls (DDP buckets).", int)
+    dense_bytes = delegated("exchange.stats.dense_bytes", "What DDP's allreduce would send.", float)
+    bytes_sent = delegated("exchange.stats.bytes_sent", "Bytes this hook sent.", float)
+    bytes_received = delegated("exchange.stats.bytes_received", "Bytes it received.", float)
+    seconds = delegated("exchange.stats.seconds", "Wall seconds inside the hook.", float)
+
     def __init__(self, method: Method, model: Any = None, comm: Any = None,
                  process_group: Any = None) -> None:
-        if not isinstance(method, Method):
-            raise TypeError(f"comm_hook needs an hvdc.Compression method, got {type(method).__name__}")
-        self.method = method
+        check_method(method, "comm_hook's method", TypeError)
         self._process_group = process_group
-        self._comm = comm
-        if comm is None:
-            self._comm = self._make_comm()
+        self._comm = comm if comm is not None else self._make_comm()
+        self.exchange = HookExchange(method, self._comm)
         self._names: dict[int, str] = {}
         if model is not None:
             self.set_model(model)
-        self.iteration = 0          # completed DDP iterations (buckets with is_last())
-        self.calls = 0              # hook calls (buckets)
-        self.dense_bytes = 0.0      # what DDP's own allreduce would have sent (2N(P-1)/P)
-        self.bytes_sent = 0.0       # what this hook sent / received (volume model, this rank)
-        self.bytes_received = 0.0
-        self.seconds = 0.0          # wall time inside the hook
-        self.record: list[tuple[str, np.ndarray, np.ndarray]] | None = None
-        self.lockstep = True        # fuse the per-parameter collectives of a bucket
-        self._lockstep: Lockstep | None = None
-        # DDP's buckets [(bucket key, parameter names)] of the last iteration; a bucket key is
-        # a flat method's state key (saved: a restored model's first iteration regroups by it)
-        self._layout: list[tuple[str, tuple[str, ...]]] | None = None
-        self._restored = False      # load_state_dict ran and no iteration completed since
-        self._new_iteration()
-
-    def _new_iteration(self) -> None:
-        self._iter_groups: list[tuple[str, tuple[str, ...]]] = []
-        self._deferring = False
-        self._pending: dict[str, torch.Tensor] = {}     # name -> gradient view (deferred)
-        self._pending_order: list[str] = []
-        self._processed: set[str] = set()
-        self._done_groups: set[str] = set()
-        self._waiting: list[tuple[torch.futures.Future, tuple[str, ...], torch.Tensor]] = []
 
     def _make_comm(self) -> Any:
         if self._process_group is not None:
@@ -147,26 +165,14 @@ class HookState:
         from ..mpi_collectives.torch_dist import default_communicator
         return default_communicator()
 
-    @property
-    def comm(self) -> Any:
-        """The communicator the method talks through (byte counts: ``comm.stats()``)."""
-        return self._comm
-
     def set_model(self, model: Any) -> None:
         """Name parameters after ``model.named_parameters()`` (stable keys for checkpoints)."""
         self._names = {id(p): n for n, p in model.named_parameters()}
+        self.exchange.named = bool(self._names)
 
-    def _name(self, param: torch.Tensor, fallback: str) -> str:
-        return self._names.get(id(param), fallback)
-
-    # ---------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """The method's state, the bucket layout and the hook's counters, as tensors and plain values."""
-        layout = None if self._layout is None else [[k, list(n)] for k, n in self._layout]
-        return {"version": STATE_VERSION, "method": to_safe_state(self.method.state_dict()),
-                "iteration": self.iteration, "calls": self.calls,
-                "dense_bytes": self.dense_bytes, "bytes_sent": self.bytes_sent,
-                "bytes_received": self.bytes_received, "layout": layout}
+        return self.exchange.state_dict(encode=to_safe_state)
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` output (refuses another method's state).
@@ -174,21 +180,8 @@ class HookState:
         The next iteration runs flat methods on the saved bucket layout if
         DDP's buckets differ from it (DDP's first iteration of a fresh model).
         """
-        if sd.get("version") != STATE_VERSION:
-            raise ValueError(f"hook state version {sd.get('version')!r} is not {STATE_VERSION}")
-        self.method.load_state_dict(from_safe_state(sd["method"]))
-        self.iteration = int(sd["iteration"])
-        self.calls = int(sd["calls"])
-        self.dense_bytes = float(sd["dense_bytes"])
-        self.bytes_sent = float(sd.get("bytes_sent", 0.0))
-        self.bytes_received = float(sd.get("bytes_received", 0.0))
-        layout = sd.get("layout")
-        self._layout = None if layout is None else [(str(k), tuple(str(x) for x in n))
-                                                    for k, n in layout]
-        self._restored = self._layout is not None
-        self._new_iteration()
+        self.exchange.load_state_dict(sd, decode=from_safe_state)
 
-    # ----------------------------------------------------------- statistics
     def statistics(self) -> dict[str, Any]:
         """Iterations, hook calls, bytes (this rank, volume model) and the ratio to dense DDP.
 
@@ -196,25 +189,12 @@ class HookState:
         checkpoint restore; ``by_op`` is the communicator's breakdown since its
         last ``reset_stats()`` (shared by everything that uses it).
         """
-        stats = self._comm.stats()
-        sent = self.bytes_sent
-        return {"method": self.method.name, "iterations": self.iteration, "calls": self.calls,
-                "bytes_sent": sent, "bytes_received": self.bytes_received,
-                "dense_bytes": self.dense_bytes,
-                "compression": self.dense_bytes / sent if sent > 0 else float("nan"),
-                "seconds": self.seconds, "skipped_steps": self.method.skipped_steps,
-                "by_op": stats["by_op"]}
+        return self.exchange.statistics()
 
     def reset_statistics(self) -> None:
-        """Zero the byte counters (the hook's and the communicator's), calls and seconds (not the method's state)."""
-        self._comm.reset_stats()
-        self.calls = 0
-        self.dense_bytes = 0.0
-        self.bytes_sent = 0.0
-        self.bytes_received = 0.0
-        self.seconds = 0.0
+        """Zero the counters (all but ``iteration``) and the communicator's; not the method's state."""
+        self.exchange.reset_statistics()
 
-    # ---------------------------------------------------------------- work
     def reduce_bucket(self, bucket: Any) -> torch.futures.Future:
         """Average ``bucket``'s gradients over ranks with the method.
 
@@ -223,146 +203,11 @@ class HookState:
         groups parameters of later buckets with this one (then it completes
         in the call that brings the last of them).
         """
-        t0 = time.perf_counter()
         fut: torch.futures.Future = torch.futures.Future()
-        buf = bucket.buffer()
-        comm = self._comm
-        names = tuple(self._name(p, f"b{bucket.index()}.{j}")
+        names = tuple(self._names.get(id(p), f"b{bucket.index()}.{j}")
                       for j, p in enumerate(bucket.parameters()))
-        sent0, received0 = comm.bytes_sent, comm.bytes_received
-        try:
-            self._bucket(bucket, buf, names, fut)
-            self.bytes_sent += max(comm.bytes_sent - sent0, 0.0)
-            self.bytes_received += max(comm.bytes_received - received0, 0.0)
-            itemsize = buf.element_size()
-            self.dense_bytes += 2.0 * buf.numel() * itemsize * (comm.size - 1) / comm.size
-            self.calls += 1
-            if bucket.is_last():
-                self._end_iteration()
-        except BaseException:
-            self._new_iteration()
-            raise
-        finally:
-            self.seconds += time.perf_counter() - t0
+        self.exchange.reduce(_DDPBucket(bucket, names, fut))
         return fut
-
-    def _bucket(self, bucket: Any, buf: torch.Tensor, names: tuple[str, ...],
-                fut: torch.futures.Future) -> None:
-        # A bucket is identified by its parameters in bucket order; for a flat method that is
-        # also the key of its state. In the first iteration after a restore, DDP's initial
-        # buckets are regrouped into the saved ones (same state keys, same fused collectives).
-        key = _flat_key(names, buf.numel())
-        if not self._deferring and self._restored and self._names and self._layout is not None \
-                and key not in {k for k, _ in self._layout}:
-            self._deferring = True
-        if not self._deferring:
-            if self.method.layout == "flat":
-                self._reduce_into(buf, key)
-            else:
-                self._reduce_matrices(bucket.gradients(), names)
-            self._iter_groups.append((key, names))
-            self._processed.update(names)
-            self._done_groups.add(key)
-            fut.set_result(buf)
-            return
-        for name, grad in zip(names, bucket.gradients()):
-            self._pending[name] = grad
-            self._pending_order.append(name)
-        self._waiting.append((fut, names, buf))
-        for gkey, gnames in self._layout or ():
-            if gkey not in self._done_groups and all(n in self._pending for n in gnames):
-                self._reduce_group(gkey, gnames)
-        if bucket.is_last():                # parameters no saved bucket holds: one more group
-            rest = tuple(n for n in self._pending_order if n not in self._processed)
-            if rest:
-                self._reduce_group(_flat_key(rest, sum(self._pending[n].numel() for n in rest)),
-                                   rest)
-        still = []
-        for w_fut, w_names, w_buf in self._waiting:
-            if all(n in self._processed for n in w_names):
-                w_fut.set_result(w_buf)
-            else:
-                still.append((w_fut, w_names, w_buf))
-        self._waiting = still
-
-    def _reduce_group(self, key: str, names: tuple[str, ...]) -> None:
-        """Reduce the pending gradients ``names`` as one bucket of the saved layout."""
-        grads = [self._pending[n] for n in names]
-        if self.method.layout == "flat":
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self._reduce_into(flat, key)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
-        else:
-            self._reduce_matrices(grads, names)
-        self._processed.update(names)
-        self._done_groups.add(key)
-
-    def _reduce_matrices(self, grads: list[torch.Tensor], names: tuple[str, ...]) -> None:
-        """A matrix method on each gradient in its own shape, the bucket's collectives fused.
-
-        A method with a bucket-level path (``allreduce_many``: PowerSGD) runs
-        the whole bucket on this thread, one fused collective per round, and
-        writes the averages straight into the bucket's gradient views; the
-        others run in lockstep (one thread per tensor, the same fusion).
-        """
-        if not (self.lockstep and Lockstep.supports(self._comm)):
-            for grad, name in zip(grads, names):
-                self._reduce_into(grad, name)
-            return
-        xs = [to_array(g) for g in grads]
-        inputs = [np.array(x, copy=True) for x in xs] if self.record is not None else None
-        many = getattr(self.method, "allreduce_many", None)
-        if many is not None and self.method.can_reduce_many(xs, self._comm):
-            outs = many(xs, names, self._comm, out=xs)
-        elif len(grads) > 1:
-            if self._lockstep is None:
-                self._lockstep = Lockstep(self._comm)
-            outs = self._lockstep.run([
-                (lambda c, x=x, name=name: self.method.allreduce(x, name, c))
-                for x, name in zip(xs, names)])
-        else:
-            outs = [self.method.allreduce(xs[0], names[0], self._comm)]
-        for j, (g, name, avg) in enumerate(zip(grads, names, outs)):
-            if inputs is not None:
-                self.record.append((name, inputs[j], np.array(avg, copy=True)))
-            if not _is_view_of(avg, g):
-                copy_into(g, avg)
-
-    def _end_iteration(self) -> None:
-        if not self._deferring and self._iter_groups != self._layout:
-            # new buckets (DDP's rebuild): drop the state of flat buckets that no longer exist
-            if self.method.layout == "flat":
-                keep = {k for k, _ in self._iter_groups}
-                for k in [k for k in self.method.state
-                          if k.startswith(_FLAT_PREFIX) and k not in keep]:
-                    del self.method.state[k]
-            self._layout = list(self._iter_groups) if self._iter_groups else None
-        leftover = self._waiting
-        self.iteration += 1
-        self._restored = False
-        self._new_iteration()
-        if leftover:    # cannot happen: every parameter is reduced by the last bucket
-            raise RuntimeError(f"{len(leftover)} DDP bucket(s) left without a result")
-
-    def _reduce_into(self, tensor: torch.Tensor, name: str) -> None:
-        x = to_array(tensor)
-        if self.record is not None:
-            self.record.append((name, np.array(x, copy=True), None))
-        avg = self.method.allreduce(x, name, self._comm)
-        if self.record is not None:
-            self.record[-1] = (name, self.record[-1][1], np.array(avg, copy=True))
-        copy_into(tensor, avg)
-
-
-def _is_view_of(array: Any, tensor: torch.Tensor) -> bool:
-    """Whether ``array`` is a NumPy array over exactly ``tensor``'s memory (no copy back needed)."""
-    return (isinstance(array, np.ndarray) and tensor.device.type == "cpu"
-            and array.dtype == _NUMPY_DTYPES.get(tensor.dtype)
-            and tensor.is_contiguous() and array.size == tensor.numel()
-            and array.__array_interface__["data"][0] == tensor.data_ptr())
 
 
 def comm_hook(method: Method, *, model: Any = None, comm: Any = None,

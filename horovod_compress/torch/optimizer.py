@@ -34,11 +34,10 @@ import torch
 
 from ..compressors.base import Method
 from ..runtime.buckets import DEFAULT_BUCKET_BYTES, TensorSpec
-from ..runtime.engine import GradientExchange
+from ..runtime.delegate import delegated
 from ..runtime.ops import Average
 from ..runtime.scaling import Scaling, check_backward_passes, check_method, working_dtype
 from ..runtime.session import TrainingExchange
-from ..runtime.stats import ExchangeStats
 from . import world
 from .tensors import copy_into, to_array
 
@@ -183,11 +182,6 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return None
         return super(self.__class__, self).step(closure)
 
-    @property
-    def step_skipped(self) -> bool:
-        """Whether the last synchronized step was dropped (``nonfinite="skip"``, NaN/Inf on some rank)."""
-        return self._hvdc_session.step_skipped
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         if any(n >= self.backward_passes_per_step for n in self._hvdc_passes.values()):
             raise RuntimeError("zero_grad() was called after backward() and before step() or "
@@ -215,38 +209,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._hvdc_method.load_state_dict(from_safe_state(hv))
 
     # ------------------------------------------------------------ extras
-    @property
-    def compression(self) -> Method:
-        return self._hvdc_method
-
-    @property
-    def communicator(self) -> Any:
-        return self._hvdc_comm
-
-    @property
-    def exchange(self) -> GradientExchange:
-        """The compressed bucket exchange (its ``comm_seconds``/``wait_seconds`` alone)."""
-        return self._hvdc_session.exchange
-
-    @property
-    def training_exchange(self) -> TrainingExchange:
-        """The runtime's exchange: ``settings.dense`` (warm-up), error probes, statistics."""
-        return self._hvdc_session
-
-    @property
-    def stats(self) -> ExchangeStats:
-        """Cumulative exchange statistics on this rank (as the TensorFlow reducer's)."""
-        return self._hvdc_session.stats
-
-    @property
-    def comm_seconds(self) -> float:
-        """Seconds spent inside the method's allreduce (warm-up exchange included)."""
-        return self._hvdc_session.comm_seconds
-
-    @property
-    def wait_seconds(self) -> float:
-        """Seconds ``synchronize()`` waited for the communication thread (warm-up included)."""
-        return self._hvdc_session.wait_seconds
+    compression = delegated("_hvdc_method", "The compression method.")
+    communicator = delegated("_hvdc_comm", "The communicator.")
+    exchange = delegated("_hvdc_session.exchange",
+                         "The compressed bucket exchange (its ``comm_seconds``/``wait_seconds`` alone).")
+    training_exchange = delegated("_hvdc_session", "The runtime's exchange: ``settings.dense`` "
+                                  "(warm-up), error probes, statistics.")
+    stats = delegated("_hvdc_session.stats",
+                      "Cumulative exchange statistics on this rank (as the TensorFlow reducer's).")
+    comm_seconds = delegated("_hvdc_session.comm_seconds",
+                             "Seconds spent inside the method's allreduce (warm-up exchange included).")
+    wait_seconds = delegated("_hvdc_session.wait_seconds", "Seconds ``synchronize()`` waited for the "
+                             "communication thread (warm-up included).")
+    step_skipped = delegated("_hvdc_session.step_skipped", "Whether the last synchronized step was "
+                             "dropped (``nonfinite='skip'``, NaN/Inf on some rank).")
 
 
 def DistributedOptimizer(optimizer: torch.optim.Optimizer,

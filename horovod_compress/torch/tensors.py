@@ -1,10 +1,12 @@
 """Conversion between torch tensors and the NumPy arrays the core works on.
 
+The dtype rule is the runtime's (:func:`~horovod_compress.runtime.scaling.working_dtype`):
 CPU tensors of dtype float32/float64/float16 are viewed without a copy
-(``tensor.numpy()``); bfloat16 (no NumPy dtype) is widened to float32, and GPU
-tensors become CuPy arrays without a copy (DLPack) when CuPy is installed --
-then the GPU-native methods compress on the device -- and are staged through
-host memory otherwise.
+(``tensor.numpy()``); bfloat16 (no NumPy dtype) and every other dtype are
+widened to float32, and GPU tensors become CuPy arrays without a copy (DLPack)
+when CuPy is installed -- then the GPU-native methods compress on the device
+-- and are staged through host memory otherwise. :func:`tensor_slot` wraps a
+tensor for the runtime's comm-hook exchange (its array and the write-back).
 """
 from __future__ import annotations
 
@@ -13,7 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
-_NUMPY_OK = {torch.float32, torch.float64, torch.float16}
+from ..runtime.hook import ArraySlot
+from ..runtime.scaling import NATIVE_DTYPES, working_dtype
+
+_NUMPY_OK = {getattr(torch, name) for name in NATIVE_DTYPES}
 
 
 def cupy_available() -> bool:
@@ -55,8 +60,7 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
 
 def numpy_dtype_name(tensor: torch.Tensor) -> str:
     """The NumPy dtype the core sees for ``tensor`` (bfloat16 -> float32)."""
-    return str(np.dtype(str(tensor.dtype).replace("torch.", ""))) if tensor.dtype in _NUMPY_OK \
-        else "float32"
+    return working_dtype(str(tensor.dtype))
 
 
 def copy_into(tensor: torch.Tensor, array: np.ndarray) -> None:
@@ -67,3 +71,20 @@ def copy_into(tensor: torch.Tensor, array: np.ndarray) -> None:
         return
     src = torch.from_numpy(np.ascontiguousarray(array)).view(tensor.shape)
     tensor.copy_(src)
+
+
+def is_view_of(array: Any, tensor: torch.Tensor) -> bool:
+    """Whether ``array`` is a NumPy array over exactly ``tensor``'s memory (no copy back needed)."""
+    return (isinstance(array, np.ndarray) and tensor.device.type == "cpu"
+            and tensor.dtype in _NUMPY_OK and array.dtype == np.dtype(numpy_dtype_name(tensor))
+            and tensor.is_contiguous() and array.size == tensor.numel()
+            and array.__array_interface__["data"][0] == tensor.data_ptr())
+
+
+def tensor_slot(tensor: torch.Tensor) -> ArraySlot:
+    """``tensor`` for the runtime: :func:`to_array` of it, and a write-back that skips its own memory."""
+    def write(avg: Any) -> None:
+        if not is_view_of(avg, tensor):
+            copy_into(tensor, avg)
+
+    return ArraySlot(to_array(tensor), write)
