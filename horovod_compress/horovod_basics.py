@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -128,11 +128,15 @@ def communicator(framework: str = "torch") -> Any:
     return comm
 
 
-def _topology(framework: str) -> None:
-    """Node-local and cross-node communicators (collective: ``init`` makes them on every rank)."""
+def _topology(framework: str, which: str) -> Any:
+    """The node-local (``which="local"``) or cross-node (``"cross"``) mpi4py communicator.
+
+    Made on first use (collective: ``init`` makes them on every rank).
+    """
     comm = communicator(framework)
     if _STATE.local is None:
         _setup_topology(comm)
+    return getattr(_STATE, which)
 
 
 def shutdown(framework: str = "torch") -> None:
@@ -157,26 +161,22 @@ def size(framework: str = "torch") -> int:
 
 def local_rank(framework: str = "torch") -> int:
     """This process's rank among the processes of its node."""
-    _topology(framework)
-    return _STATE.local.Get_rank()
+    return _topology(framework, "local").Get_rank()
 
 
 def local_size(framework: str = "torch") -> int:
     """The number of processes on this node."""
-    _topology(framework)
-    return _STATE.local.Get_size()
+    return _topology(framework, "local").Get_size()
 
 
 def cross_rank(framework: str = "torch") -> int:
     """This node's index among the nodes (the rank among processes with this local rank)."""
-    _topology(framework)
-    return _STATE.cross.Get_rank()
+    return _topology(framework, "cross").Get_rank()
 
 
 def cross_size(framework: str = "torch") -> int:
     """The number of nodes (processes with this local rank)."""
-    _topology(framework)
-    return _STATE.cross.Get_size()
+    return _topology(framework, "cross").Get_size()
 
 
 def is_homogeneous(framework: str = "torch") -> bool:
@@ -435,6 +435,71 @@ def root_in(process_set: Any, root_rank: int, framework: str = "torch") -> int:
     if int(root_rank) not in ranks:
         raise ValueError(f"root_rank {root_rank} is not in {process_set}")
     return ranks.index(int(root_rank))
+
+
+# ------------------------------------------------------------------ one front-end's calls
+def _front_end_query(fn: Callable[[str], Any]) -> Callable[..., Any]:
+    """``fn(framework)`` as a method of :class:`FrontEndCalls`, with ``fn``'s name, docstring and
+    return type (what a front-end's ``hvd.rank()`` and the like show)."""
+    def query(self: FrontEndCalls) -> Any:
+        return fn(self.framework)
+
+    query.__name__ = fn.__name__
+    query.__qualname__ = f"FrontEndCalls.{fn.__name__}"
+    query.__doc__ = fn.__doc__
+    query.__annotations__ = {"return": fn.__annotations__.get("return", "Any")}
+    return query
+
+
+class FrontEndCalls:
+    """Horovod's world calls bound to one front-end (``framework``: ``"torch"`` or ``"tensorflow"``).
+
+    The PyTorch and TensorFlow APIs re-export the bound methods of
+    :meth:`world` as their module functions (``hvd.init``, ``hvd.rank``, ...),
+    so both front-ends run the same code with their own framework's world.
+    """
+
+    def __init__(self, framework: str) -> None:
+        self.framework = framework
+
+    def world(self) -> tuple[Any, ...]:
+        """``(init, shutdown, rank, size, local_rank, local_size, cross_rank, cross_size,
+        is_homogeneous, barrier)``, bound to this front-end."""
+        return (self.init, self.shutdown, self.rank, self.size, self.local_rank,
+                self.local_size, self.cross_rank, self.cross_size, self.is_homogeneous,
+                self.barrier)
+
+    def init(self, comm: Any = None, process_sets: Any = None, **options: Any) -> None:
+        """Start (idempotent): MPI through mpi4py, or ``comm`` (a communicator or a list of ranks).
+
+        ``options`` go to the front-end's ``world.init`` (``abort_on_exception=``,
+        ``horovod=``).
+        """
+        init(self.framework, comm=comm, process_sets=process_sets, **options)
+
+    shutdown = _front_end_query(shutdown)
+    rank = _front_end_query(rank)
+    size = _front_end_query(size)
+    local_rank = _front_end_query(local_rank)
+    local_size = _front_end_query(local_size)
+    cross_rank = _front_end_query(cross_rank)
+    cross_size = _front_end_query(cross_size)
+    is_homogeneous = _front_end_query(is_homogeneous)
+
+    def barrier(self, process_set: Any = global_process_set) -> None:
+        """Wait until every rank of ``process_set`` reaches this call."""
+        barrier(process_set, self.framework)
+
+    def comm(self, process_set: Any) -> Any:
+        """Our Communicator for ``process_set`` (:func:`comm_for`)."""
+        return comm_for(process_set, self.framework)
+
+    def broadcast_object(self, obj: Any, root_rank: int, process_set: Any, comm: Any) -> Any:
+        """Any picklable ``obj`` from world rank ``root_rank`` of ``process_set`` (or of ``comm``)."""
+        if comm is not None:
+            return comm.broadcast_object(obj, root=root_rank)
+        return self.comm(process_set).broadcast_object(
+            obj, root=root_in(process_set, root_rank, self.framework))
 
 
 # ---------------------------------------------------------------------------- handles

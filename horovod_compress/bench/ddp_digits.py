@@ -10,11 +10,10 @@ start one.
 """
 from __future__ import annotations
 
-import time
 from typing import Any
 
-from .digits import (dense_bytes_per_step, evaluate, load_digits_split, make_mlp, params_digest,
-                     sgd_settings, train_epoch)
+from .digits import (dense_bytes_per_step, load_digits_split, make_mlp, params_digest,
+                     sgd_settings, train_epochs)
 
 
 def train_ddp_digits(method: Any = None, *, epochs: int = 10, batch_size: int = 32,
@@ -60,32 +59,15 @@ def train_ddp_digits(method: Any = None, *, epochs: int = 10, batch_size: int = 
         name = "ddp_dense"
     sgd_lr, sgd_momentum = sgd_settings(method, lr, momentum)
     opt = torch.optim.SGD(model.parameters(), lr=sgd_lr, momentum=sgd_momentum)
-    history = []
-    bar = None
-    if progress and rank == 0:
-        from tqdm import tqdm
-        bar = tqdm(total=epochs * steps_per_epoch, desc=label or name, unit="step", leave=False,
-                   dynamic_ncols=True)
-    t0 = time.perf_counter()
-    for epoch in range(epochs):
-        train_loss = train_epoch(model, opt, xs, ys, seed=seed, epoch=epoch, rank=rank,
-                                 batch_size=batch_size, steps_per_epoch=steps_per_epoch,
-                                 on_step=None if bar is None else lambda: bar.update(1))
-        acc = evaluate(model.module, data)
-        done = (epoch + 1) * steps_per_epoch
-        history.append({"epoch": epoch + 1, "test_accuracy": acc,
-                        "bytes_sent": state.statistics()["bytes_sent"] if state is not None
-                        else dense_bytes_per_step(sum(p.numel() for p in net.parameters()),
-                                                  size) * done,
-                        "train_loss": train_loss})
-        if bar is not None:
-            bar.set_postfix(acc=f"{acc:.3f}")
-    elapsed = time.perf_counter() - t0
-    if bar is not None:
-        bar.close()
-    steps = epochs * steps_per_epoch
     num_params = sum(p.numel() for p in net.parameters())
     dense = dense_bytes_per_step(num_params, size)
+    history, elapsed = train_epochs(
+        model, opt, xs, ys, data, model.module, epochs=epochs, seed=seed, rank=rank,
+        batch_size=batch_size, steps_per_epoch=steps_per_epoch,
+        label=(label or name) if progress else None,
+        bytes_sent=lambda done: state.statistics()["bytes_sent"] if state is not None
+        else dense * done)
+    steps = epochs * steps_per_epoch
     sent = state.statistics()["bytes_sent"] / steps if state is not None else dense
     digest = params_digest(net.parameters())
     return {"method": name, "config": method.config() if method is not None else

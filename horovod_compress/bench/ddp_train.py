@@ -9,12 +9,10 @@ demo and writes ``results.json`` and ``accuracy_vs_bytes.png``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 _TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
@@ -69,9 +67,8 @@ def run_torchrun(args: argparse.Namespace, methods: list[str], params: dict[str,
     import torch
     import torch.distributed as dist
 
-    from ..compressors.registry import create
     from .ddp_digits import train_ddp_digits
-    from .train import DEMO_PARAMS, format_table, plot_accuracy_vs_bytes
+    from .train import demo_method, print_result, write_results
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -79,27 +76,15 @@ def run_torchrun(args: argparse.Namespace, methods: list[str], params: dict[str,
     results = []
     try:
         for name in methods:
-            kwargs = dict(DEMO_PARAMS.get(name, {}))
-            if len(methods) == 1:
-                kwargs.update(params)
-            method = create(name, **kwargs)
+            method = demo_method(name, methods, params)
             res = train_ddp_digits(method, epochs=args.epochs, batch_size=args.batch_size,
                                    lr=args.lr, seed=args.seed, progress=True, label=name,
                                    bucket_cap_mb=args.bucket_mb)
             results.append(res)
             if rank == 0:
-                print(f"{name:12s} test accuracy {res['test_accuracy']:.4f}  "
-                      f"{res['bytes_sent_per_step'] / 1024:9.1f} KiB/step  "
-                      f"ratio {res['compression_ratio']:7.1f}x  "
-                      f"{res['seconds_per_step'] * 1e3:7.2f} ms/step", flush=True)
+                print_result(name, res)
         if rank == 0:
-            out = Path(args.out)
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-            print()
-            print(format_table(results))
-            png = plot_accuracy_vs_bytes(results, out / "accuracy_vs_bytes.png")
-            print(f"\nwrote {out / 'results.json'} and {png}")
+            write_results(results, args.out)
         # the others wait while rank 0 writes: gloo can abort a rank whose peers already left
         dist.barrier()
     finally:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -147,25 +147,11 @@ def train_digits(compression: Any = None, comm: Any = None, *, epochs: int = 30,
                                bucket_bytes=bucket_bytes or DEFAULT_BUCKET_BYTES)
     num_params = sum(p.numel() for p in model.parameters())
     comm.reset_stats()
-    history = []
-    bar = None
-    if progress and comm.rank == 0:
-        from tqdm import tqdm
-        bar = tqdm(total=epochs * steps_per_epoch, desc=label or method.name, unit="step",
-                   leave=False, dynamic_ncols=True)
-    t_start = time.perf_counter()
-    for epoch in range(epochs):
-        train_loss = train_epoch(model, opt, xs, ys, seed=seed, epoch=epoch, rank=comm.rank,
-                                 batch_size=batch_size, steps_per_epoch=steps_per_epoch,
-                                 on_step=None if bar is None else lambda: bar.update(1))
-        acc = evaluate(model, data)
-        history.append({"epoch": epoch + 1, "test_accuracy": acc,
-                        "bytes_sent": comm.bytes_sent, "train_loss": train_loss})
-        if bar is not None:
-            bar.set_postfix(acc=f"{acc:.3f}")
-    elapsed = time.perf_counter() - t_start
-    if bar is not None:
-        bar.close()
+    history, elapsed = train_epochs(model, opt, xs, ys, data, model, epochs=epochs, seed=seed,
+                                    rank=comm.rank, batch_size=batch_size,
+                                    steps_per_epoch=steps_per_epoch,
+                                    label=(label or method.name) if progress else None,
+                                    bytes_sent=lambda done: comm.bytes_sent)
     steps = epochs * steps_per_epoch
     sent = comm.bytes_sent / steps
     dense = dense_bytes_per_step(num_params, comm.size)
@@ -181,6 +167,38 @@ def train_digits(compression: Any = None, comm: Any = None, *, epochs: int = 30,
         "wait_seconds_per_step": opt.exchange.wait_seconds / steps,
         "params_digest": digest,
     }
+
+
+def train_epochs(model: Any, opt: Any, xs: Any, ys: Any, data: DigitsData, eval_model: Any, *,
+                 epochs: int, seed: int, rank: int, batch_size: int, steps_per_epoch: int,
+                 label: str | None, bytes_sent: Callable[[int], float]) -> tuple[list[dict], float]:
+    """``epochs`` of :func:`train_epoch`, each followed by the test accuracy of ``eval_model``:
+    ``(history, seconds)``.
+
+    ``history[e]``: epoch, test accuracy, ``bytes_sent(steps done)`` and train
+    loss. ``label``: show a progress bar under that name on rank 0 (None: no bar).
+    """
+    history = []
+    bar = None
+    if label is not None and rank == 0:
+        from tqdm import tqdm
+        bar = tqdm(total=epochs * steps_per_epoch, desc=label, unit="step", leave=False,
+                   dynamic_ncols=True)
+    t0 = time.perf_counter()
+    for epoch in range(epochs):
+        train_loss = train_epoch(model, opt, xs, ys, seed=seed, epoch=epoch, rank=rank,
+                                 batch_size=batch_size, steps_per_epoch=steps_per_epoch,
+                                 on_step=None if bar is None else lambda: bar.update(1))
+        acc = evaluate(eval_model, data)
+        history.append({"epoch": epoch + 1, "test_accuracy": acc,
+                        "bytes_sent": bytes_sent((epoch + 1) * steps_per_epoch),
+                        "train_loss": train_loss})
+        if bar is not None:
+            bar.set_postfix(acc=f"{acc:.3f}")
+    elapsed = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    return history, elapsed
 
 
 def evaluate(model: Any, data: DigitsData) -> float:

@@ -566,6 +566,32 @@ def targets(results: list[Result]) -> list[tuple[str, str, bool | None]]:
     return out
 
 
+def size_tables(results: list[Any], time_column: str, ratio_column: str,
+                row: Callable[[Any], str]) -> list[str]:
+    """Markdown lines of one table per input size ``r.n`` (heading ``## n = ...``), ``row(r)``
+    per result; the columns of both kernel reports, with their names for the time and the
+    reference ratio."""
+    lines: list[str] = []
+    for n in sorted({r.n for r in results}):
+        lines += [f"## n = {n:,} elements", "",
+                  f"| kernel | input MB | {time_column} | GB/s | x memcpy | {ratio_column} | same | "
+                  "library | x lib | note |",
+                  "|---|---:|---:|---:|---:|---:|:-:|---|---:|---|"]
+        lines += [row(r) for r in results if r.n == n]
+        lines.append("")
+    return lines
+
+
+def _table_row(r: Result) -> str:
+    gbs = r.input_bytes / r.kernel_s / 1e9
+    same = "–" if r.same_as_numpy is None else ("yes" if r.same_as_numpy else "**NO**")
+    return (f"| {r.name} | {r.input_bytes / 1e6:.1f} | {r.kernel_s * 1e3:.2f} | {gbs:.2f} | "
+            f"{_fmt_ratio(r.kernel_s / r.memcpy_s)} | "
+            f"{_fmt_ratio(r.numpy_s / r.kernel_s if r.numpy_s else None)} | {same} | "
+            f"{r.library_label or '–'} | {_fmt_ratio(r.library_s / r.kernel_s if r.library_s else None)} | "
+            f"{r.note} |")
+
+
 def write_markdown(results: list[Result], path: Path, meta: dict[str, Any]) -> None:
     lines = ["# Kernel benchmark (`hvdc bench kernels`)", "",
              f"Machine: {meta['machine']}. {meta['note']}".rstrip(), "",
@@ -579,20 +605,7 @@ def write_markdown(results: list[Result], path: Path, meta: dict[str, Any]) -> N
              "* **x lib** = time of the library call / kernel time; for `exp_reduce` the library is MPI's "
              "built-in float32 `MPI_SUM` (`MPI.SUM.Reduce_local`) on the same element count, so there "
              "**x lib** below 1 means the kernel is that many times slower.", ""]
-    for n in sorted({r.n for r in results}):
-        lines += [f"## n = {n:,} elements", "",
-                  "| kernel | input MB | time ms | GB/s | x memcpy | x NumPy | same | library | x lib | note |",
-                  "|---|---:|---:|---:|---:|---:|:-:|---|---:|---|"]
-        for r in (r for r in results if r.n == n):
-            gbs = r.input_bytes / r.kernel_s / 1e9
-            same = "–" if r.same_as_numpy is None else ("yes" if r.same_as_numpy else "**NO**")
-            lines.append(
-                f"| {r.name} | {r.input_bytes / 1e6:.1f} | {r.kernel_s * 1e3:.2f} | {gbs:.2f} | "
-                f"{_fmt_ratio(r.kernel_s / r.memcpy_s)} | "
-                f"{_fmt_ratio(r.numpy_s / r.kernel_s if r.numpy_s else None)} | {same} | "
-                f"{r.library_label or '–'} | {_fmt_ratio(r.library_s / r.kernel_s if r.library_s else None)} | "
-                f"{r.note} |")
-        lines.append("")
+    lines += size_tables(results, "time ms", "x NumPy", _table_row)
     lines += ["## Targets (issue 9)", "", "| target | measured | met |", "|---|---|:-:|"]
     for target, measured, met in targets(results):
         lines.append(f"| {target} | {measured} | {'yes' if met else '**no**'} |")

@@ -33,7 +33,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .kernels import KEY, _fmt_ratio, _machine, add_kernel_bench_options, checked_args
+from .kernels import KEY, _fmt_ratio, _machine, add_kernel_bench_options, checked_args, size_tables
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -297,19 +297,16 @@ def write_markdown(results: list[GpuResult], path: Path, meta: dict[str, Any]) -
              "* **x memcpy** = GPU kernel time / device-to-device copy of its input bytes (1.0 = speed of light).",
              "* **x CPU** = CPU kernel time (host, same data) / GPU kernel time; **same** = identical output.",
              "* **x lib** = library time / GPU kernel time (> 1: the kernel is faster).", ""]
-    for n in sorted({r.n for r in results}):
-        lines += [f"## n = {n:,} elements", "",
-                  "| kernel | input MB | GPU ms | GB/s | x memcpy | x CPU | same | library | x lib | note |",
-                  "|---|---:|---:|---:|---:|---:|:-:|---|---:|---|"]
-        for r in (r for r in results if r.n == n):
-            gbs = r.input_bytes / r.gpu_s / 1e9 if r.gpu_s > 0 else math.inf
-            lib = (r.library_s / r.gpu_s) if r.library_s else None
-            lines.append(
-                f"| {r.name} | {r.input_bytes / 1e6:.1f} | {r.gpu_s * 1e3:.3f} | {gbs:.1f} | "
-                f"{_fmt_ratio(r.gpu_s / r.memcpy_s)} | {_fmt_ratio(r.cpu_s / r.gpu_s)} | "
-                f"{'yes' if r.same_as_cpu else '**NO**'} | {r.library_label or '–'} | {_fmt_ratio(lib)} | {r.note} |")
-        lines.append("")
+    lines += size_tables(results, "GPU ms", "x CPU", _table_row)
     path.write_text("\n".join(lines))
+
+
+def _table_row(r: GpuResult) -> str:
+    gbs = r.input_bytes / r.gpu_s / 1e9 if r.gpu_s > 0 else math.inf
+    lib = (r.library_s / r.gpu_s) if r.library_s else None
+    return (f"| {r.name} | {r.input_bytes / 1e6:.1f} | {r.gpu_s * 1e3:.3f} | {gbs:.1f} | "
+            f"{_fmt_ratio(r.gpu_s / r.memcpy_s)} | {_fmt_ratio(r.cpu_s / r.gpu_s)} | "
+            f"{'yes' if r.same_as_cpu else '**NO**'} | {r.library_label or '–'} | {_fmt_ratio(lib)} | {r.note} |")
 
 
 def run(args: argparse.Namespace) -> int:

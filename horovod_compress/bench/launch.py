@@ -43,3 +43,26 @@ def worker_entry(description: str | None, add_arguments: Callable[[argparse.Argu
         worker(args)
     else:
         sys.exit(run(args))
+
+
+def worker_bench(name: str, help: str, description: str | None,
+                 add_arguments: Callable[[argparse.ArgumentParser], None],
+                 worker: Callable[[argparse.Namespace], None],
+                 run: Callable[[argparse.Namespace], int],
+                 ) -> tuple[Callable[[argparse._SubParsersAction], None],
+                            Callable[[list[str] | None], None]]:
+    """``(register_bench, main)`` of a benchmark that re-launches itself under mpirun.
+
+    ``register_bench(subparsers)`` adds ``hvdc bench <name>`` (its options from
+    ``add_arguments``, then ``run``); ``main(argv)`` is the ``python -m`` entry
+    (:func:`worker_entry`).
+    """
+    def register_bench(subparsers: argparse._SubParsersAction) -> None:
+        p = subparsers.add_parser(name, help=help)
+        add_arguments(p)
+        p.set_defaults(func=run)
+
+    def main(argv: list[str] | None = None) -> None:
+        worker_entry(description, add_arguments, worker, run, argv)
+
+    return register_bench, main

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from .launch import worker_bench
 from .report_files import save_figure
 
 
@@ -187,16 +188,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="benchmarks/oktopk_counts")
 
 
-def register_bench(subparsers: Any) -> None:
-    p = subparsers.add_parser("oktopk-counts", help="Ok-Topk's selected local/global counts vs k "
-                                                    "over a training run (paper Figure 6)")
-    add_arguments(p)
-    p.set_defaults(func=run)
-
-
-def main(argv: list[str] | None = None) -> None:
-    from .launch import worker_entry
-    worker_entry(__doc__, add_arguments, worker, run, argv)
+register_bench, main = worker_bench(
+    "oktopk-counts", "Ok-Topk's selected local/global counts vs k over a training run (paper Figure 6)",
+    __doc__, add_arguments, worker, run)
 
 
 if __name__ == "__main__":

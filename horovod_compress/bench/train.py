@@ -105,14 +105,39 @@ def run(args: argparse.Namespace) -> int:
         raise
 
 
-def _train_all(args: argparse.Namespace, methods: list[str], params: dict[str, Any], comm: Any) -> int:
+def demo_method(name: str, methods: list[str], params: dict[str, Any]) -> Any:
+    """Method ``name`` with its demo parameters (:data:`DEMO_PARAMS`), plus ``params`` when it is
+    the only one trained."""
     from ..compressors.registry import create
+    kwargs = dict(DEMO_PARAMS.get(name, {}))
+    if len(methods) == 1:
+        kwargs.update(params)
+    return create(name, **kwargs)
+
+
+def print_result(name: str, res: dict[str, Any]) -> None:
+    """One method's line of ``hvdc train``'s progress output."""
+    print(f"{name:12s} test accuracy {res['test_accuracy']:.4f}  "
+          f"{res['bytes_sent_per_step'] / 1024:9.1f} KiB/step  "
+          f"ratio {res['compression_ratio']:7.1f}x  {res['seconds_per_step'] * 1e3:7.2f} ms/step",
+          flush=True)
+
+
+def write_results(results: list[dict[str, Any]], folder: str) -> None:
+    """``results.json`` and ``accuracy_vs_bytes.png`` in ``folder``; prints the table."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    print()
+    print(format_table(results))
+    png = plot_accuracy_vs_bytes(results, out / "accuracy_vs_bytes.png")
+    print(f"\nwrote {out / 'results.json'} and {png}")
+
+
+def _train_all(args: argparse.Namespace, methods: list[str], params: dict[str, Any], comm: Any) -> int:
     results = []
     for name in methods:
-        kwargs = dict(DEMO_PARAMS.get(name, {}))
-        if len(methods) == 1:
-            kwargs.update(params)
-        method = create(name, **kwargs)
+        method = demo_method(name, methods, params)
         common = dict(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                       overlap=not args.no_overlap, progress=True, label=name,
                       bucket_bytes=int(args.bucket_mb * 2**20) if args.bucket_mb else None)
@@ -124,18 +149,9 @@ def _train_all(args: argparse.Namespace, methods: list[str], params: dict[str, A
             res = train_digits_keras(method, comm, **common)
         results.append(res)
         if comm.rank == 0:
-            print(f"{name:12s} test accuracy {res['test_accuracy']:.4f}  "
-                  f"{res['bytes_sent_per_step'] / 1024:9.1f} KiB/step  "
-                  f"ratio {res['compression_ratio']:7.1f}x  {res['seconds_per_step'] * 1e3:7.2f} ms/step",
-                  flush=True)
+            print_result(name, res)
     if comm.rank == 0:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-        print()
-        print(format_table(results))
-        png = plot_accuracy_vs_bytes(results, out / "accuracy_vs_bytes.png")
-        print(f"\nwrote {out / 'results.json'} and {png}")
+        write_results(results, args.out)
     return 0
 
 

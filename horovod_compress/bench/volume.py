@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .launch import worker_bench
 from .report_files import save_figure
 
 METHODS = ["none", "topk", "topk_dsa", "gtopk", "gaussiank", "oktopk"]
@@ -211,16 +212,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="benchmarks/volume")
 
 
-def register_bench(subparsers: Any) -> None:
-    p = subparsers.add_parser("volume", help="bytes per rank per step of the sparse allreduces vs P "
-                                             "(Ok-Topk paper, Table 1)")
-    add_arguments(p)
-    p.set_defaults(func=run)
-
-
-def main(argv: list[str] | None = None) -> None:
-    from .launch import worker_entry
-    worker_entry(__doc__, add_arguments, worker, run, argv)
+register_bench, main = worker_bench(
+    "volume", "bytes per rank per step of the sparse allreduces vs P (Ok-Topk paper, Table 1)",
+    __doc__, add_arguments, worker, run)
 
 
 if __name__ == "__main__":

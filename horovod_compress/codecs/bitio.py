@@ -18,34 +18,45 @@ TRUNCATED = 1
 
 @njit(cache=True)
 def pack_fields(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
-    """Concatenate ``widths[t]`` low bits of ``values[t]`` (uint64, widths 0..64)."""
+    """Concatenate ``widths[t]`` low bits of ``values[t]`` (uint64, widths 0..64).
+
+    A byte at a time through a 64-bit accumulator ``acc`` holding ``nacc`` (< 8)
+    pending bits in its low end: at most 56 bits are added at a time, so the
+    pending bits never leave the word (bits above them are shifted out unused).
+    5-25x faster than a bit at a time, and 4-8x faster than ``np.packbits`` on
+    an unpacked bit array, with the same bytes (docs/architecture.md).
+    """
     total = 0
     for t in range(widths.size):
         total += widths[t]
     out = np.zeros((total + 7) // 8, np.uint8)
-    pos = 0
+    acc = np.uint64(0)
+    nacc = 0
+    o = 0
     for t in range(values.size):
         w = widths[t]
         v = values[t]
-        for b in range(w - 1, -1, -1):
-            if (v >> np.uint64(b)) & np.uint64(1):
-                out[pos >> 3] |= np.uint8(128 >> (pos & 7))
-            pos += 1
+        while w > 0:
+            take = w if w <= 56 - nacc else 56 - nacc
+            w -= take
+            chunk = (v >> np.uint64(w)) & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))
+            acc = (acc << np.uint64(take)) | chunk
+            nacc += take
+            while nacc >= 8:
+                nacc -= 8
+                out[o] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(255))
+                o += 1
+    if nacc > 0:
+        out[o] = np.uint8((acc << np.uint64(8 - nacc)) & np.uint64(255))
     return out
 
 
 @njit(cache=True)
 def pack_fixed(values: np.ndarray, width: int) -> np.ndarray:
     """Concatenate the ``width`` low bits (0..64) of each uint64 value."""
-    out = np.zeros((values.size * width + 7) // 8, np.uint8)
-    pos = 0
-    for t in range(values.size):
-        v = values[t]
-        for b in range(width - 1, -1, -1):
-            if (v >> np.uint64(b)) & np.uint64(1):
-                out[pos >> 3] |= np.uint8(128 >> (pos & 7))
-            pos += 1
-    return out
+    widths = np.empty(values.size, np.int64)
+    widths[:] = width
+    return pack_fields(values, widths)
 
 
 @njit(cache=True)

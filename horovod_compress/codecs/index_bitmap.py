@@ -17,17 +17,12 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels import rle
-from .registry import IndexCodec, IndexEncoding, register_index_codec
+from .registry import IndexCodec, IndexEncoding
 from .wire import ByteReader, ContainerError
 
 
-@register_index_codec
-class BitmapIndex(IndexCodec):
+class BitmapIndex(IndexCodec, name="bitmap", codec_id=2):
     """The support as an n-bit bitmap (bit i of byte i // 8, least significant first)."""
-
-    name = "bitmap"
-    codec_id = 2
-    lossless = True
 
     def encode(self, indices: np.ndarray, n: int, seed: int) -> IndexEncoding:
         mask = np.zeros(n, dtype=np.bool_)
@@ -48,13 +43,8 @@ class BitmapIndex(IndexCodec):
         return idx
 
 
-@register_index_codec
-class RunLengthIndex(IndexCodec):
+class RunLengthIndex(IndexCodec, name="rle", codec_id=3):
     """The bitmap's run lengths as LEB128 varints."""
-
-    name = "rle"
-    codec_id = 3
-    lossless = True
 
     def encode(self, indices: np.ndarray, n: int, seed: int) -> IndexEncoding:
         runs = rle.runs_from_sorted_indices(np.ascontiguousarray(indices, dtype=np.int64), n)

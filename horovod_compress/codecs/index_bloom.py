@@ -40,7 +40,7 @@ import numpy as np
 from ..params import check_choice, check_float
 from ..kernels import bloom as kb
 from ..kernels import dispatch
-from .registry import IndexCodec, IndexEncoding, register_index_codec
+from .registry import IndexCodec, IndexEncoding
 from .wire import ByteReader, ByteWriter, ContainerError
 
 POLICIES = ("naive", "p0", "p1", "p2")
@@ -71,12 +71,9 @@ def select_slots(policy: str, positives: np.ndarray, bits_m: int, h: int, seed: 
     return kb.conflict_set_select(positives, bits_m, h, np.uint64(seed), r, selection_seed(seed))
 
 
-@register_index_codec
-class BloomIndex(IndexCodec):
+class BloomIndex(IndexCodec, name="bloom", codec_id=5):
     """Bloom filter of the support, sized from ``fpr``, with policy naive/p0/p1/p2."""
 
-    name = "bloom"
-    codec_id = 5
     lossless = False
 
     def __init__(self, fpr: float = 0.001, policy: str = "p2") -> None:

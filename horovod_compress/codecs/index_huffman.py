@@ -25,7 +25,7 @@ import numpy as np
 from numba import njit
 
 from .bitio import pack_fields
-from .registry import IndexCodec, IndexEncoding, register_index_codec
+from .registry import IndexCodec, IndexEncoding
 from .wire import ByteReader, ByteWriter, ContainerError
 
 MAX_CODE_LENGTH = 63
@@ -126,13 +126,8 @@ def _decode_stream(buf: np.ndarray, count: int, n: int, first_code: np.ndarray,
     return out, pos, 0
 
 
-@register_index_codec
-class HuffmanIndex(IndexCodec):
+class HuffmanIndex(IndexCodec, name="huffman", codec_id=4):
     """Huffman-coded bit-length classes of the index gaps, plus the gaps' low bits."""
-
-    name = "huffman"
-    codec_id = 4
-    lossless = True
 
     def encode(self, indices: np.ndarray, n: int, seed: int) -> IndexEncoding:
         idx = np.ascontiguousarray(indices, dtype=np.int64)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .registry import IndexCodec, IndexEncoding, register_index_codec
+from .registry import IndexCodec, IndexEncoding
 from .wire import ByteReader, ByteWriter, ContainerError
 
 
@@ -18,13 +18,9 @@ def _width(n: int) -> int:
     return 4 if n <= 2**32 else 8
 
 
-@register_index_codec
-class RawIndex(IndexCodec):
+class RawIndex(IndexCodec, name="raw", codec_id=1):
     """Indices as uint32 (or uint64 for n > 2**32)."""
 
-    name = "raw"
-    codec_id = 1
-    lossless = True
     carries_order = True
 
     def encode(self, indices: np.ndarray, n: int, seed: int) -> IndexEncoding:

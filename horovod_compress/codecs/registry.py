@@ -21,8 +21,72 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-_INDEX: dict[str, type["IndexCodec"]] = {}
-_VALUE: dict[str, type["ValueCodec"]] = {}
+
+
+class _Codecs:
+    """The registered codecs of one kind (``"index"`` or ``"value"``), by name and by wire id."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.classes: dict[str, type] = {}
+
+    def register(self, cls: type) -> None:
+        """Add ``cls`` under its ``name`` (its ``codec_id`` must be unique)."""
+        for other in self.classes.values():
+            if other.codec_id == cls.codec_id and other.name != cls.name:
+                raise RuntimeError(f"{self.kind} codec id {cls.codec_id} used by {other.name!r} "
+                                   f"and {cls.name!r}")
+        self.classes[cls.name] = cls
+
+    def names(self) -> list[str]:
+        """Names of the registered codecs, in codec-id order."""
+        return sorted(self.classes, key=lambda k: self.classes[k].codec_id)
+
+    def by_id(self, codec_id: int) -> type:
+        """The class with wire id ``codec_id``; ``ContainerError`` if unknown."""
+        for cls in self.classes.values():
+            if cls.codec_id == codec_id:
+                return cls
+        from .wire import ContainerError
+        raise ContainerError(f"container: unknown {self.kind} codec id {codec_id}; known: "
+                             f"{ {c.codec_id: c.name for c in self.classes.values()} }")
+
+    def make(self, name: str, params: dict[str, Any]) -> Any:
+        """A configured codec (``ValueError`` for an unknown name or parameter)."""
+        if name not in self.classes:
+            raise ValueError(f"deepreduce: {self.kind} must be one of {sorted(self.classes)}, "
+                             f"got {name!r}")
+        cls = self.classes[name]
+        allowed = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+        for key in params:
+            if key not in allowed:
+                raise ValueError(f"deepreduce: {self.kind} codec {name!r} takes no parameter "
+                                 f"{key!r}; it takes {allowed}")
+        return cls(**params)
+
+
+_INDEX = _Codecs("index")
+_VALUE = _Codecs("value")
+
+
+class _Registered:
+    """Registration by class keywords: ``class X(IndexCodec, name="x", codec_id=7)``.
+
+    A subclass given a ``name`` is registered in its base's table (``_codecs``);
+    one without (an intermediate base class) is not.
+    """
+
+    _codecs: ClassVar[_Codecs]
+    name: ClassVar[str] = ""
+    codec_id: ClassVar[int] = 0
+    lossless: ClassVar[bool] = True
+
+    def __init_subclass__(cls, name: str | None = None, codec_id: int | None = None,
+                          **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if name is not None:
+            cls.name, cls.codec_id = name, int(codec_id)
+            cls._codecs.register(cls)
 
 
 @dataclass
@@ -34,12 +98,10 @@ class IndexEncoding:
     sources: np.ndarray  # int64 positions whose values the sender transmits, same order
 
 
-class IndexCodec:
-    """Base class of index codecs. Subclasses set ``name``, ``codec_id``, ``lossless``."""
+class IndexCodec(_Registered):
+    """Base class of index codecs: ``class X(IndexCodec, name=..., codec_id=...)``; ``lossless``."""
 
-    name: ClassVar[str] = ""
-    codec_id: ClassVar[int] = 0
-    lossless: ClassVar[bool] = True
+    _codecs = _INDEX
     carries_order: ClassVar[bool] = False  # can send slots in any order (raw)
 
     def encode(self, indices: np.ndarray, n: int, seed: int) -> IndexEncoding:
@@ -60,12 +122,10 @@ class IndexCodec:
         return {}
 
 
-class ValueCodec:
-    """Base class of value codecs. Subclasses set ``name``, ``codec_id``, ``lossless``."""
+class ValueCodec(_Registered):
+    """Base class of value codecs: ``class X(ValueCodec, name=..., codec_id=...)``; ``lossless``."""
 
-    name: ClassVar[str] = ""
-    codec_id: ClassVar[int] = 0
-    lossless: ClassVar[bool] = True
+    _codecs = _VALUE
     sorts: ClassVar[bool] = False  # encodes the values in descending order
 
     def encode(self, values: np.ndarray, seed: int) -> tuple[bytes, np.ndarray | None]:
@@ -86,73 +146,31 @@ class ValueCodec:
         return {}
 
 
-def register_index_codec(cls: type[IndexCodec]) -> type[IndexCodec]:
-    """Class decorator: register an index codec under its ``name`` (its ``codec_id`` must be unique)."""
-    _check_unique(cls, _INDEX, "index")
-    _INDEX[cls.name] = cls
-    return cls
-
-
-def register_value_codec(cls: type[ValueCodec]) -> type[ValueCodec]:
-    """Class decorator: register a value codec under its ``name`` (its ``codec_id`` must be unique)."""
-    _check_unique(cls, _VALUE, "value")
-    _VALUE[cls.name] = cls
-    return cls
-
-
-def _check_unique(cls: type, table: dict[str, type], kind: str) -> None:
-    for other in table.values():
-        if other.codec_id == cls.codec_id and other.name != cls.name:
-            raise RuntimeError(f"{kind} codec id {cls.codec_id} used by {other.name!r} and {cls.name!r}")
-
-
 def index_codecs() -> list[str]:
     """Names of the registered index codecs, in codec-id order."""
-    return sorted(_INDEX, key=lambda k: _INDEX[k].codec_id)
+    return _INDEX.names()
 
 
 def value_codecs() -> list[str]:
     """Names of the registered value codecs, in codec-id order."""
-    return sorted(_VALUE, key=lambda k: _VALUE[k].codec_id)
+    return _VALUE.names()
 
 
 def index_codec_class(codec_id: int) -> type[IndexCodec]:
     """The index codec class with wire id ``codec_id``; ``ContainerError`` if unknown."""
-    for cls in _INDEX.values():
-        if cls.codec_id == codec_id:
-            return cls
-    from .wire import ContainerError
-    raise ContainerError(f"container: unknown index codec id {codec_id}; known: "
-                         f"{ {c.codec_id: c.name for c in _INDEX.values()} }")
+    return _INDEX.by_id(codec_id)
 
 
 def value_codec_class(codec_id: int) -> type[ValueCodec]:
     """The value codec class with wire id ``codec_id``; ``ContainerError`` if unknown."""
-    for cls in _VALUE.values():
-        if cls.codec_id == codec_id:
-            return cls
-    from .wire import ContainerError
-    raise ContainerError(f"container: unknown value codec id {codec_id}; known: "
-                         f"{ {c.codec_id: c.name for c in _VALUE.values()} }")
-
-
-def _make(table: dict[str, type], kind: str, name: str, params: dict[str, Any]) -> Any:
-    if name not in table:
-        raise ValueError(f"deepreduce: {kind} must be one of {sorted(table)}, got {name!r}")
-    cls = table[name]
-    allowed = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-    for key in params:
-        if key not in allowed:
-            raise ValueError(f"deepreduce: {kind} codec {name!r} takes no parameter {key!r}; "
-                             f"it takes {allowed}")
-    return cls(**params)
+    return _VALUE.by_id(codec_id)
 
 
 def make_index_codec(name: str, **params: Any) -> IndexCodec:
     """A configured index codec (``ValueError`` for an unknown name or parameter)."""
-    return _make(_INDEX, "index", name, params)
+    return _INDEX.make(name, params)
 
 
 def make_value_codec(name: str, **params: Any) -> ValueCodec:
     """A configured value codec (``ValueError`` for an unknown name or parameter)."""
-    return _make(_VALUE, "value", name, params)
+    return _VALUE.make(name, params)

@@ -54,7 +54,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from ..params import check_float, check_int
-from .registry import ValueCodec, register_value_codec
+from .registry import ValueCodec
 from .wire import ByteReader, ByteWriter
 
 RAW_SEGMENT = 255
@@ -230,12 +230,8 @@ def _cheb_x(L: int) -> np.ndarray:
     return np.linspace(-1.0, 1.0, L) if L > 1 else np.zeros(1)
 
 
-@register_value_codec
-class PolyFitValues(CurveFitValues):
+class PolyFitValues(CurveFitValues, name="polyfit", codec_id=4):
     """Piecewise least-squares polynomials of the sorted values (default degree 5)."""
-
-    name = "polyfit"
-    codec_id = 4
 
     def __init__(self, degree: int = 5, tol: float = 0.01) -> None:
         super().__init__(tol)
@@ -299,12 +295,9 @@ def _dexp_jac(x: np.ndarray, a: float, b: float, c: float, d: float) -> np.ndarr
     return np.stack([eb, a * x * eb, ed, c * x * ed], axis=1)
 
 
-@register_value_codec
-class DoubleExpValues(CurveFitValues):
+class DoubleExpValues(CurveFitValues, name="dexp", codec_id=5):
     """a e^(bx) + c e^(dx) per segment of the sorted values (4 parameters)."""
 
-    name = "dexp"
-    codec_id = 5
     use_lemma1 = False  # the paper fits the double exponential without segmentation
 
     def min_fit_length(self) -> int:

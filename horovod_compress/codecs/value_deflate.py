@@ -20,19 +20,14 @@ from typing import Any
 import numpy as np
 
 from ..params import check_int
-from .registry import ValueCodec, register_value_codec
+from .registry import ValueCodec
 from .wire import ByteReader, ContainerError
 
 SHUFFLED = 1
 
 
-@register_value_codec
-class DeflateValues(ValueCodec):
+class DeflateValues(ValueCodec, name="deflate", codec_id=2):
     """zlib-compressed, byte-shuffled values."""
-
-    name = "deflate"
-    codec_id = 2
-    lossless = True
 
     def __init__(self, level: int = 6) -> None:
         self.level = check_int("deepreduce", "deflate_level", level, 1, 9)

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..params import check_int
 from .bitio import OK, bits_for, pack_fixed, unpack_fixed
-from .registry import ValueCodec, register_value_codec
+from .registry import ValueCodec
 from .wire import ByteReader, ByteWriter, ContainerError
 
 MAX_LEVELS = 2**24
@@ -40,12 +40,9 @@ def _bucket_norms(v: np.ndarray, bucket: int) -> np.ndarray:
     return n32
 
 
-@register_value_codec
-class QSGDValues(ValueCodec):
+class QSGDValues(ValueCodec, name="qsgd", codec_id=3):
     """Stochastic quantization to ``levels`` levels per bucket of ``bucket`` values."""
 
-    name = "qsgd"
-    codec_id = 3
     lossless = False
 
     def __init__(self, levels: int = 127, bucket: int = 512) -> None:
@@ -54,9 +51,6 @@ class QSGDValues(ValueCodec):
 
     def params(self) -> dict[str, Any]:
         return {"levels": self.levels, "bucket": self.bucket}
-
-    def bits_per_value(self) -> int:
-        return 1 + bits_for(self.levels + 1)
 
     def encode(self, values: np.ndarray, seed: int) -> tuple[bytes, None]:
         v = np.asarray(values, dtype=np.float64)

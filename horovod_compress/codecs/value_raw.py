@@ -7,17 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from .registry import ValueCodec, register_value_codec
+from .registry import ValueCodec
 from .wire import ByteReader
 
 
-@register_value_codec
-class RawValues(ValueCodec):
+class RawValues(ValueCodec, name="raw", codec_id=1):
     """Values verbatim."""
-
-    name = "raw"
-    codec_id = 1
-    lossless = True
 
     def encode(self, values: np.ndarray, seed: int) -> tuple[bytes, None]:
         return np.ascontiguousarray(values).astype(values.dtype.newbyteorder("<")).tobytes(), None

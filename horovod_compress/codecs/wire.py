@@ -30,11 +30,6 @@ class ByteWriter:
         self._parts.append(bytes((value,)))
         return self
 
-    def u32(self, value: int) -> "ByteWriter":
-        """Append a little-endian unsigned 32-bit integer."""
-        self._parts.append(struct.pack("<I", value))
-        return self
-
     def u64(self, value: int) -> "ByteWriter":
         """Append a little-endian unsigned 64-bit integer."""
         self._parts.append(struct.pack("<Q", value))
@@ -102,10 +97,6 @@ class ByteReader:
     def u8(self, field: str = "u8") -> int:
         """The next unsigned byte."""
         return self.take(1, field)[0]
-
-    def u32(self, field: str = "u32") -> int:
-        """The next little-endian unsigned 32-bit integer."""
-        return struct.unpack("<I", self.take(4, field))[0]
 
     def u64(self, field: str = "u64") -> int:
         """The next little-endian unsigned 64-bit integer."""

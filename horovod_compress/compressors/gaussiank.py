@@ -32,9 +32,10 @@ from ..kernels.selection import (
     kth_largest_abs,
     select_by_threshold,
 )
-from .base import Method, TensorState
+from .base import TensorState
+from .lowrank_common import check_bool
 from .registry import register
-from .sparse_common import check_density, k_from_density, sparse_local
+from .sparse_common import DensitySparsifier, k_from_density, sparse_local
 
 ADJUST_FACTOR = 1.012
 ADJUST_MAX_STEPS = 50
@@ -62,22 +63,17 @@ def adjusted_threshold(x: np.ndarray, th: float, k: int) -> float:
 
 
 @register
-class Gaussiank(Method):
+class Gaussiank(DensitySparsifier):
     """Gaussian-estimated threshold + allgather (Gaussiank)."""
 
     name = "gaussiank"
-    biased = True
-    default_feedback = "residual"
 
     def __init__(self, *, density: float = 0.01, adjust: bool = True,
                  feedback: str | None = None, warmup_steps: int = 0, seed: int = 0,
                  **feedback_params: Any) -> None:
-        self.density = check_density(self.name, density)
-        if not isinstance(adjust, (bool, np.bool_)):
-            raise ValueError(f"gaussiank: adjust must be True or False, got {adjust!r}")
-        self.adjust = bool(adjust)
-        super().__init__(feedback=feedback, warmup_steps=warmup_steps, seed=seed,
-                         **feedback_params)
+        self.adjust = check_bool(self.name, "adjust", adjust)
+        super().__init__(density=density, feedback=feedback, warmup_steps=warmup_steps,
+                         seed=seed, **feedback_params)
 
     def params(self) -> dict[str, Any]:
         return {"density": self.density, "adjust": self.adjust, **self.feedback.params()}

@@ -21,29 +21,25 @@ from typing import Any
 import numpy as np
 
 from .base import TensorState
-from .local_topk import sorted_local_topk
+from .local_topk import LocalTopkSparsifier
 from .registry import register
-from .sparse_common import DensitySparsifier, sparse_local
 
 
 @register
-class GTopk(DensitySparsifier):
+class GTopk(LocalTopkSparsifier):
     """Global top-k by a reduction tree with re-selection (gTopk)."""
 
     name = "gtopk"
 
-    def _reduce(self, x: np.ndarray, name: str, comm: Any,
-                state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+    def _sum_selections(self, comm: Any, flat: np.ndarray, idx: np.ndarray, k: int,
+                        state: TensorState) -> tuple[np.ndarray, np.ndarray]:
         # imported here: importing the package must not start MPI
         from ..mpi_collectives.sparse_allreduce_baselines import gtopk_allreduce
 
-        flat, idx, k = sorted_local_topk(self, x)
         g_idx, g_val = gtopk_allreduce(comm, idx, flat[idx], k)
         avg = np.zeros_like(flat)
         avg[g_idx] = g_val / flat.dtype.type(comm.size)
-        involved = np.intersect1d(idx, g_idx, assume_unique=True)
-        local = sparse_local(self, name, flat.size, flat.dtype, involved, flat)
-        return avg.reshape(x.shape), local.reshape(x.shape)
+        return avg, np.intersect1d(idx, g_idx, assume_unique=True)
 
 
 __all__ = ["GTopk"]

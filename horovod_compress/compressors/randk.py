@@ -18,9 +18,10 @@ from typing import Any
 import numpy as np
 
 from ..kernels.arrays import as_module_array, get_array_module
-from .base import Method, TensorState
+from .base import TensorState
+from .lowrank_common import check_bool
 from .registry import register
-from .sparse_common import check_density, k_from_density, sparse_local
+from .sparse_common import DensitySparsifier, k_from_density, sparse_local
 
 
 def shared_random_indices(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
@@ -31,25 +32,20 @@ def shared_random_indices(rng: np.random.Generator, n: int, k: int) -> np.ndarra
 
 
 @register
-class RandK(Method):
+class RandK(DensitySparsifier):
     """Shared-seed Rand-K."""
 
     name = "randk"
-    biased = True
-    default_feedback = "residual"
     gpu_native = True
 
     def __init__(self, *, density: float = 0.01, unbiased: bool = False,
                  feedback: str | None = None, warmup_steps: int = 0, seed: int = 0,
                  **feedback_params: Any) -> None:
-        self.density = check_density(self.name, density)
-        if not isinstance(unbiased, (bool, np.bool_)):
-            raise ValueError(f"randk: unbiased must be True or False, got {unbiased!r}")
-        self.unbiased = bool(unbiased)
+        self.unbiased = check_bool(self.name, "unbiased", unbiased)
         if feedback is None and self.unbiased:
             feedback = "none"
-        super().__init__(feedback=feedback, warmup_steps=warmup_steps, seed=seed,
-                         **feedback_params)
+        super().__init__(density=density, feedback=feedback, warmup_steps=warmup_steps,
+                         seed=seed, **feedback_params)
 
     def params(self) -> dict[str, Any]:
         return {"density": self.density, "unbiased": self.unbiased, **self.feedback.params()}

@@ -21,28 +21,24 @@ from typing import Any
 import numpy as np
 
 from .base import TensorState
-from .local_topk import sorted_local_topk
+from .local_topk import LocalTopkSparsifier
 from .registry import register
-from .sparse_common import DensitySparsifier, sparse_local
 
 
 @register
-class TopkDSA(DensitySparsifier):
+class TopkDSA(LocalTopkSparsifier):
     """Local top-k + SparCML dynamic sparse allreduce (TopkDSA)."""
 
     name = "topk_dsa"
 
-    def _reduce(self, x: np.ndarray, name: str, comm: Any,
-                state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+    def _sum_selections(self, comm: Any, flat: np.ndarray, idx: np.ndarray, k: int,
+                        state: TensorState) -> tuple[np.ndarray, np.ndarray]:
         # imported here: importing the package must not start MPI
         from ..mpi_collectives.sparse_allreduce_baselines import dsa_allreduce
 
-        flat, idx, _ = sorted_local_topk(self, x)
         total, info = dsa_allreduce(comm, idx, flat[idx], flat.size)
         state["fill_in"] = int(info["nnz"])
-        avg = total / flat.dtype.type(comm.size)
-        local = sparse_local(self, name, flat.size, flat.dtype, idx, flat)
-        return avg.reshape(x.shape), local.reshape(x.shape)
+        return total / flat.dtype.type(comm.size), idx
 
 
 __all__ = ["TopkDSA"]

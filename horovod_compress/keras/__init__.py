@@ -26,42 +26,24 @@ from .callbacks import (
     MetricAverageCallback,
 )
 from .checkpoint import CompressionState
+from ..horovod_common import *  # noqa: F403 - Horovod's names every front-end shares
 from .horovod_api import (
-    Average,
     DistributedOptimizer,
-    ProcessSet,
-    Sum,
-    add_process_set,
     allgather,
     allreduce,
     broadcast,
     broadcast_global_variables,
-    ccl_built,
     cross_rank,
     cross_size,
-    cuda_built,
-    ddl_built,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
     init,
-    is_initialized,
     is_version_greater_equal_than,
     load_model,
     local_rank,
     local_size,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
     rank,
     reducescatter,
-    remove_process_set,
-    rocm_built,
     shutdown,
     size,
-    start_timeline,
-    stop_timeline,
 )
 from .optimizer import reducer_of
 

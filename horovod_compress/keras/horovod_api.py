@@ -16,31 +16,11 @@ import numpy as np
 import tensorflow as tf
 
 from ..compressors.registry import Compression, as_method
-from ..horovod_basics import (
-    Average,
-    ProcessSet,
-    Sum,
-    add_process_set,
-    ccl_built,
-    cuda_built,
-    ddl_built,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
-    is_initialized,
-    is_version_greater_equal_than,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    remove_process_set,
-    rocm_built,
-    start_timeline,
-    stop_timeline,
-)
+from ..horovod_basics import is_version_greater_equal_than  # noqa: F401 - Horovod's name
 from ..horovod_basics import op_kind as _op_kind
+from ..horovod_common import *  # noqa: F403 - Horovod's names every front-end shares
 from ..tensorflow import horovod_api as _tf
-from ..tensorflow.horovod_api import (
+from ..tensorflow.horovod_api import (  # noqa: F401 - Horovod's names
     cross_rank,
     cross_size,
     init,

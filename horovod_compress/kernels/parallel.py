@@ -38,7 +38,7 @@ from .quantize import (
     linear_quantize_by,
     linear_quantize_range,
 )
-from .selection import scan_hits
+from .selection import _as_float_vector, scan_hits  # the serial kernels' input rule
 
 
 def _chunks(n: int) -> int:
@@ -92,22 +92,15 @@ def _select_chunks(x, threshold, nchunks):
     return out_idx, out_val
 
 
-def _float_vector(x: np.ndarray) -> np.ndarray:
-    x = np.ascontiguousarray(x).reshape(-1)
-    if x.dtype not in (np.float32, np.float64):
-        x = x.astype(np.float32)
-    return x
-
-
 def select_by_threshold(x: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndarray]:
     """COO ``(indices ascending, values)`` of ``|x| >= threshold``, ``x != 0`` (multi-threaded)."""
-    x = _float_vector(x)
+    x = _as_float_vector(x)
     return _select_chunks(x, x.dtype.type(threshold), _chunks(x.size))
 
 
 def count_at_least(x: np.ndarray, threshold: float) -> int:
     """How many entries :func:`select_by_threshold` selects (multi-threaded)."""
-    x = _float_vector(x)
+    x = _as_float_vector(x)
     return int(_count_chunks(x, x.dtype.type(threshold), _chunks(x.size)).sum())
 
 
@@ -150,23 +143,27 @@ def exp_quantize(x: np.ndarray, scale: float, bits: int, key: int) -> np.ndarray
 
 # ---------------------------------------------------------------- exponential reduce
 @njit(cache=True, parallel=True)
-def exp_reduce8_into(a, b, out, key, counter):
+def _exp_reduce_into(a, b, out, key, counter, packed4):
+    """Algorithm 2 over chunks in parallel: packed 4-bit codes or 8-bit codes; the saturations."""
+    n = a.size
+    sat = 0
+    for c in prange((n + _CHUNK - 1) // _CHUNK):
+        lo, hi = c * _CHUNK, min(c * _CHUNK + _CHUNK, n)
+        if packed4:
+            sat += exp_reduce4_range(a, b, out, key, counter, lo, hi)
+        else:
+            sat += exp_reduce8_range(a, b, out, key, counter, lo, hi)
+    return sat
+
+
+def exp_reduce8_into(a: np.ndarray, b: np.ndarray, out: np.ndarray, key: int, counter: int) -> int:
     """As :func:`.exp_reduce.exp_reduce8_into`, multi-threaded; returns the saturations."""
-    n = a.size
-    sat = 0
-    for c in prange((n + _CHUNK - 1) // _CHUNK):
-        sat += exp_reduce8_range(a, b, out, key, counter, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
-    return sat
+    return _exp_reduce_into(a, b, out, key, counter, False)
 
 
-@njit(cache=True, parallel=True)
-def exp_reduce4_into(a, b, out, key, counter):
+def exp_reduce4_into(a: np.ndarray, b: np.ndarray, out: np.ndarray, key: int, counter: int) -> int:
     """As :func:`.exp_reduce.exp_reduce4_into`, multi-threaded; returns the saturations."""
-    n = a.size
-    sat = 0
-    for c in prange((n + _CHUNK - 1) // _CHUNK):
-        sat += exp_reduce4_range(a, b, out, key, counter, c * _CHUNK, min(c * _CHUNK + _CHUNK, n))
-    return sat
+    return _exp_reduce_into(a, b, out, key, counter, True)
 
 
 # ---------------------------------------------------------------------- Bloom query

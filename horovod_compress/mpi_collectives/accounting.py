@@ -16,7 +16,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
 @dataclass
@@ -40,7 +40,56 @@ class _Stats:
     by_phase: dict[str, OpStats] = field(default_factory=dict)
 
 
-class Accounting:
+class PendingRequest:
+    """A pending non-blocking operation of any backend; :meth:`wait` returns its result.
+
+    A backend's request says how to wait for its transfers (:meth:`_wait_transfers`,
+    timed under ``op`` on ``comm``); ``on_complete`` (if given) computes the result
+    once they are done.
+    """
+
+    def __init__(self, result: Any = None, on_complete: Callable[[], Any] | None = None,
+                 comm: "Accounting | None" = None, op: str = "wait") -> None:
+        self._result = result
+        self._on_complete = on_complete
+        self._comm = comm
+        self._op = op
+        self._done = False
+
+    def _wait_transfers(self) -> None:
+        """Block until the backend's transfers finished."""
+        raise NotImplementedError
+
+    def _complete(self) -> None:
+        self._done = True
+        if self._on_complete is not None:
+            self._result = self._on_complete()
+
+    def wait(self) -> Any:
+        """Block until the operation completed; return its result."""
+        if not self._done:
+            with contextlib.nullcontext() if self._comm is None else self._comm.in_mpi(self._op):
+                self._wait_transfers()
+            self._complete()
+        return self._result
+
+
+class PhaseLabel:
+    """``phase(label)``: the label the enclosed calls' bytes are also counted under (``_phase``)."""
+
+    _phase: str | None = None
+
+    @contextlib.contextmanager
+    def phase(self, label: str) -> Iterator[None]:
+        """Attribute the bytes of the enclosed calls to ``label`` as well."""
+        previous, self._phase = self._phase, label
+        try:
+            yield
+        finally:
+            self._phase = previous
+
+
+class Accounting(PhaseLabel):
     """Counters of bytes (volume model) and of seconds spent inside collectives."""
 
     rank: int
@@ -118,14 +167,37 @@ class Accounting:
                     self._seconds[op] = self._seconds.get(op, 0.0) + dt
                     self._cpu_seconds += dc
 
+    def _account_allgatherv(self, counts: Any, own: int, item: int) -> None:
+        """Count an allgatherv of ``counts[j]`` items of ``item`` bytes from rank j (``own`` here):
+        the ring model, every part but this rank's received and every part but the successor's sent."""
+        total = int(counts.sum()) * item
+        received = total - own * item
+        successor = int(counts[(self.rank + 1) % self.size]) * item
+        sent = total - successor if self.size > 1 else 0
+        self._account("allgatherv", sent, received)
+
+    def count(self, op: str, sent: float, received: float) -> None:
+        """Count one call of ``op`` that moved ``sent``/``received`` bytes.
+
+        For an algorithm that makes its own MPI calls (``reduce_ops``' rings,
+        ``cuda_aware``'s device buffers) and reports them under the volume model.
+        """
+        self._account(op, sent, received)
+
     @contextlib.contextmanager
-    def phase(self, label: str) -> Iterator[None]:
-        """Attribute the bytes of the enclosed calls to ``label`` as well."""
-        previous, self._phase = self._phase, label
+    def counted_as(self, op: str, sent: float, received: float) -> Iterator[None]:
+        """Count the calls inside as one ``op`` of ``sent``/``received`` bytes, not one by one.
+
+        For an algorithm built from this communicator's own calls that stands in
+        for a collective (``reduce_ops.tree_reduce_once`` for an allreduce), so
+        its bytes read as the collective's on every backend.
+        """
+        self._suspended = getattr(self, "_suspended", 0) + 1
         try:
             yield
         finally:
-            self._phase = previous
+            self._suspended -= 1
+        self._account(op, sent, received)
 
     def _account(self, op: str, sent: float, received: float) -> None:
         if getattr(self, "_suspended", 0):

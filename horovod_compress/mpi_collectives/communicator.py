@@ -18,14 +18,16 @@ volume of, e.g., Ok-Topk's split-and-reduce separately from its allgatherv.
 from __future__ import annotations
 
 import contextlib
+import functools
 import pickle
 from typing import Any, Callable, Iterator, Sequence, Union
 
 import numpy as np
 from mpi4py import MPI
+from mpi4py.util import dtlib
 
 from ..kernels.arrays import is_gpu_array, to_host
-from .accounting import Accounting, OpStats
+from .accounting import Accounting, OpStats, PendingRequest
 
 OpLike = Union[str, MPI.Op]
 
@@ -39,6 +41,18 @@ def _contiguous(array: np.ndarray) -> np.ndarray:
     return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr).reshape(arr.shape)
 
 
+@functools.cache
+def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
+    """The MPI datatype of a native-byte-order NumPy ``dtype`` (``mpi4py.util.dtlib``).
+
+    ``dtlib.from_numpy_dtype`` returns a fresh duplicate handle (~0.8 us, to be
+    freed by the caller); cached, each dtype gets one handle for the process and
+    the lookup costs what ``mpi_datatype(dtype)`` did (docs/architecture.md).
+    A non-native byte order raises ``ValueError`` instead of sending wrong bytes.
+    """
+    return dtlib.from_numpy_dtype(dtype)
+
+
 @contextlib.contextmanager
 def _timed(comm: "Communicator | None", op: str) -> Iterator[None]:
     """Add the enclosed wall time to ``comm``'s seconds in MPI (no-op without a communicator)."""
@@ -49,36 +63,17 @@ def _timed(comm: "Communicator | None", op: str) -> Iterator[None]:
         yield
 
 
-class Request:
-    """A pending non-blocking operation; :meth:`wait` returns its result."""
+class Request(PendingRequest):
+    """A pending non-blocking MPI operation; :meth:`wait` returns its result."""
 
     def __init__(self, mpi_request: MPI.Request, result: Any = None,
                  on_complete: Callable[[], Any] | None = None, comm: "Communicator | None" = None,
                  op: str = "wait") -> None:
+        super().__init__(result, on_complete, comm, op)
         self._req = mpi_request
-        self._comm = comm
-        self._op = op
-        self._result = result
-        self._on_complete = on_complete
-        self._done = False
 
-    def wait(self) -> Any:
-        """Block until the operation completed; return its result."""
-        if not self._done:
-            with _timed(self._comm, self._op):
-                self._req.Wait()
-            self._done = True
-            if self._on_complete is not None:
-                self._result = self._on_complete()
-        return self._result
-
-    def test(self) -> bool:
-        """Whether the operation completed (finishes it if so), without blocking."""
-        if not self._done and self._req.Test():
-            self._done = True
-            if self._on_complete is not None:
-                self._result = self._on_complete()
-        return self._done
+    def _wait_transfers(self) -> None:
+        self._req.Wait()
 
     @staticmethod
     def wait_all(requests: Sequence["Request"]) -> list[Any]:
@@ -89,9 +84,7 @@ class Request:
         out = []
         for r in requests:
             if not r._done:
-                r._done = True
-                if r._on_complete is not None:
-                    r._result = r._on_complete()
+                r._complete()
             out.append(r._result)
         return out
 
@@ -197,13 +190,9 @@ class Communicator(Accounting):
         np.cumsum(counts[:-1], out=displs[1:])
         out = np.empty(int(counts.sum()), dtype=send.dtype)
         with self.in_mpi("allgatherv"):
-            self.comm.Allgatherv(send, [out, counts, displs, MPI._typedict[send.dtype.char]])
+            self.comm.Allgatherv(send, [out, counts, displs, mpi_datatype(send.dtype)])
         item = send.dtype.itemsize
-        total = int(counts.sum()) * item
-        received = total - send.size * item
-        successor = int(counts[(self.rank + 1) % self.size]) * item
-        sent = total - successor if self.size > 1 else 0
-        self._account("allgatherv", sent, received)
+        self._account_allgatherv(counts, send.size, item)
         return out, counts
 
     def alltoallv(self, chunks: Sequence[np.ndarray]) -> list[np.ndarray]:
@@ -224,7 +213,7 @@ class Communicator(Accounting):
         rdispl = np.zeros(self.size, np.int64)
         np.cumsum(recv_counts[:-1], out=rdispl[1:])
         recv = np.empty(int(recv_counts.sum()), dtype=dtype)
-        mpitype = MPI._typedict[dtype.char]
+        mpitype = mpi_datatype(dtype)
         with self.in_mpi("alltoallv"):
             self.comm.Alltoallv([send, send_counts, sdispl, mpitype], [recv, recv_counts, rdispl, mpitype])
         item = dtype.itemsize
@@ -336,14 +325,6 @@ class Communicator(Accounting):
         with self.in_mpi("p2p"):
             req = self.comm.Irecv(buffer, source=source, tag=tag)
         return Request(req, result=buffer, comm=self, op="p2p")
-
-    def sendrecv(self, array: np.ndarray, dest: int, source: int, tag: int = 0,
-                 dtype: Any = None) -> np.ndarray:
-        """Send to ``dest`` while receiving a message of unknown length from ``source``."""
-        req = self.isend(array, dest, tag)
-        out = self.recv(source, tag, dtype=dtype if dtype is not None else array.dtype)
-        req.wait()
-        return out
 
     # ------------------------------------------- backend-neutral entry points
     # The core calls these instead of raw ``comm.comm.*`` so that every backend

@@ -135,7 +135,7 @@ class DeviceCollectives:
         out = empty_like(x)
         self.comm.comm.Allreduce(x, out, op=_NAMED_OPS[op] if isinstance(op, str) else op)
         vol = self.comm._allreduce_volume(int(x.size) * np.dtype(x.dtype).itemsize)
-        self.comm._account("allreduce", vol, vol)
+        self.comm.count("allreduce", vol, vol)
         if op in ("avg", "average"):
             _divide_inplace(out, self.comm.size)
         return out
@@ -158,7 +158,7 @@ class DeviceCollectives:
             out = cuda.device_array((p,) + tuple(x.shape), dtype=x.dtype)
         self.comm.comm.Allgather(x, out)
         nbytes = int(x.size) * np.dtype(x.dtype).itemsize
-        self.comm._account("allgather", nbytes * (p - 1), nbytes * (p - 1))
+        self.comm.count("allgather", nbytes * (p - 1), nbytes * (p - 1))
         return out
 
     def allgatherv(self, x: Any) -> tuple[Any, np.ndarray]:
@@ -171,7 +171,7 @@ class DeviceCollectives:
             out, counts = self.comm.allgatherv(to_host(x))
             return to_device_like(out, x), counts
         self.direct += 1
-        from mpi4py import MPI
+        from .communicator import mpi_datatype
         p, rank = self.comm.size, self.comm.rank
         counts = self.comm.allgather(np.array([x.size], dtype=np.int64)).reshape(-1)
         displs = np.zeros(p, dtype=np.int64)
@@ -183,11 +183,11 @@ class DeviceCollectives:
         else:
             from numba import cuda
             out = cuda.device_array(int(counts.sum()), dtype=dtype)
-        self.comm.comm.Allgatherv(x, [out, counts, displs, MPI._typedict[dtype.char]])
+        self.comm.comm.Allgatherv(x, [out, counts, displs, mpi_datatype(dtype)])
         item = dtype.itemsize
         total = int(counts.sum()) * item
         successor = int(counts[(rank + 1) % p]) * item
-        self.comm._account("allgatherv", total - successor if p > 1 else 0, total - int(x.size) * item)
+        self.comm.count("allgatherv", total - successor if p > 1 else 0, total - int(x.size) * item)
         return out, counts
 
     def broadcast(self, x: Any, root: int = 0) -> Any:
@@ -204,9 +204,9 @@ class DeviceCollectives:
         nbytes = int(x.size) * np.dtype(x.dtype).itemsize
         if self.comm.size > 1:
             if self.comm.rank == root:
-                self.comm._account("broadcast", nbytes, 0)
+                self.comm.count("broadcast", nbytes, 0)
             else:
-                self.comm._account("broadcast", 0, nbytes)
+                self.comm.count("broadcast", 0, nbytes)
         return x
 
     def alltoallv(self, chunks: Sequence[Any]) -> list[Any]:

@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from ..kernels.arrays import is_gpu_array
+from .accounting import PhaseLabel
 
 _ELEMENTWISE = {"sum": "sum", "avg": "sum", "average": "sum", "max": "max", "min": "min",
                 "prod": "prod"}
@@ -85,12 +86,12 @@ class _CheckProxy:
         return self._proxy._post("check_generic", "allgather", obj)
 
 
-class _Proxy:
+class _Proxy(PhaseLabel):
     """The communicator one tensor's method sees: posts its collectives to the round."""
 
     _COLLECTIVES = {"iallreduce", "allgatherv", "allgatherv_into", "alltoall", "alltoallv",
                     "allreduce_custom", "broadcast", "broadcast_object", "allgather_object",
-                    "barrier", "isend", "recv", "irecv", "sendrecv"}
+                    "barrier", "isend", "recv", "irecv"}
 
     def __init__(self, rnd: "_Round", index: int) -> None:
         self._round = rnd
@@ -103,14 +104,6 @@ class _Proxy:
     @property
     def backend(self) -> str:
         return getattr(self._round.real, "backend", "mpi")
-
-    @contextlib.contextmanager
-    def phase(self, label: str) -> Iterator[None]:
-        previous, self._phase = self._phase, label
-        try:
-            yield
-        finally:
-            self._phase = previous
 
     @contextlib.contextmanager
     def in_mpi(self, op: str) -> Iterator[None]:

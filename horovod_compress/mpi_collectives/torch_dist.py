@@ -57,7 +57,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..kernels.arrays import is_gpu_array
-from .accounting import FusingAccounting, OpStats
+from .accounting import FusingAccounting, OpStats, PendingRequest
 from .reduce_ops import block_counts, check_custom, local_reduce
 
 _REDUCE_OPS = ("sum", "max", "min", "prod", "avg", "average")
@@ -90,39 +90,18 @@ def _bytes_of(array: np.ndarray) -> np.ndarray:
     return arr.reshape(-1).view(np.uint8) if arr.size else np.empty(0, np.uint8)
 
 
-class TorchRequest:
-    """A pending non-blocking operation; :meth:`wait` returns its result (like ``Request``)."""
+class TorchRequest(PendingRequest):
+    """A pending non-blocking operation of ``torch.distributed`` works (like ``Request``)."""
 
     def __init__(self, works: Sequence[Any] = (), result: Any = None,
                  on_complete: Callable[[], Any] | None = None,
                  comm: "TorchCommunicator | None" = None, op: str = "wait") -> None:
+        super().__init__(result, on_complete, comm, op)
         self._works = list(works)
-        self._result = result
-        self._on_complete = on_complete
-        self._comm = comm
-        self._op = op
-        self._done = False
 
-    def wait(self) -> Any:
-        """Block until the operation completed; return its result."""
-        if not self._done:
-            if self._comm is not None:
-                with self._comm.in_mpi(self._op):
-                    for w in self._works:
-                        w.wait()
-            else:
-                for w in self._works:
-                    w.wait()
-            self._done = True
-            if self._on_complete is not None:
-                self._result = self._on_complete()
-        return self._result
-
-    def test(self) -> bool:
-        """Whether the operation completed (finishes it if so), without blocking."""
-        if not self._done and all(w.is_completed() for w in self._works):
-            self.wait()
-        return self._done
+    def _wait_transfers(self) -> None:
+        for w in self._works:
+            w.wait()
 
     @staticmethod
     def wait_all(requests: Sequence["TorchRequest"]) -> list[Any]:
@@ -319,11 +298,7 @@ class TorchCommunicator(FusingAccounting):
         item = send.dtype.itemsize
         out = np.empty(int(counts.sum()), dtype=send.dtype)
         self._allgatherv_bytes(_bytes_of(send), counts * item, out.view(np.uint8))
-        total = int(counts.sum()) * item
-        received = total - send.size * item
-        successor = int(counts[(self.rank + 1) % self.size]) * item
-        sent = total - successor if self.size > 1 else 0
-        self._account("allgatherv", sent, received)
+        self._account_allgatherv(counts, send.size, item)
         return out, counts
 
     def _allgatherv_bytes(self, send: np.ndarray, byte_counts: np.ndarray, out: np.ndarray) -> None:
@@ -584,14 +559,6 @@ class TorchCommunicator(FusingAccounting):
         r = TorchRequest(works, result=buffer, comm=self, op="p2p")
         r._keep = header
         return r
-
-    def sendrecv(self, array: np.ndarray, dest: int, source: int, tag: int = 0,
-                 dtype: Any = None) -> np.ndarray:
-        """Send to ``dest`` while receiving a message of unknown length from ``source``."""
-        req = self.isend(array, dest, tag)
-        out = self.recv(source, tag, dtype=dtype if dtype is not None else array.dtype)
-        req.wait()
-        return out
 
     def __repr__(self) -> str:
         return f"TorchCommunicator(rank={self.rank}, size={self.size})"

@@ -20,94 +20,27 @@ import tensorflow as tf
 
 from .. import horovod_basics as hb
 from ..compressors.registry import Compression, as_method
-from ..horovod_basics import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    ProcessSet,
-    Product,
-    Sum,
-    add_process_set,
-    ccl_built,
-    check_extension,
+from ..horovod_basics import (  # noqa: F401 - Horovod's names
     check_num_rank_power_of_2,
-    cuda_built,
-    ddl_built,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
     handle_average_backwards_compatibility,
-    is_initialized,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    remove_process_set,
-    rocm_built,
     split_list,
-    start_timeline,
-    stop_timeline,
 )
+from ..horovod_common import *  # noqa: F403 - Horovod's names every front-end shares
 from .bridge import numpy_call
 
 _FW = "tensorflow"
+_CALLS = hb.FrontEndCalls(_FW)
 
 
 # ------------------------------------------------------------------------------- world
-def init(comm: Any = None, process_sets: Any = None, **options: Any) -> None:
-    """Start (idempotent): MPI through mpi4py, or ``comm`` (a communicator or a list of ranks)."""
-    hb.init(_FW, comm=comm, process_sets=process_sets, **options)
-
-
-def shutdown() -> None:
-    """Mark the front-end uninitialised (MPI is finalised by mpi4py at exit)."""
-    hb.shutdown(_FW)
-
-
-def rank() -> int:
-    """This process's rank in the world."""
-    return hb.rank(_FW)
-
-
-def size() -> int:
-    """The number of processes in the world."""
-    return hb.size(_FW)
-
-
-def local_rank() -> int:
-    """This process's rank among the processes of its node."""
-    return hb.local_rank(_FW)
-
-
-def local_size() -> int:
-    """The number of processes on this node."""
-    return hb.local_size(_FW)
-
-
-def cross_rank() -> int:
-    """This node's index among the nodes (the rank among processes with this local rank)."""
-    return hb.cross_rank(_FW)
-
-
-def cross_size() -> int:
-    """The number of nodes (processes with this local rank)."""
-    return hb.cross_size(_FW)
-
-
-def is_homogeneous() -> bool:
-    """Whether every node runs the same number of ranks."""
-    return hb.is_homogeneous(_FW)
+(init, shutdown, rank, size, local_rank, local_size, cross_rank, cross_size, is_homogeneous,
+ barrier) = _CALLS.world()
+_comm = _CALLS.comm
 
 
 def join() -> int:
     """Wait for every rank; the rank that arrived last (see :func:`horovod_basics.join`)."""
     return hb.join(_FW)
-
-
-def barrier(process_set: Any = global_process_set) -> None:
-    """Wait until every rank of ``process_set`` reaches this call."""
-    hb.barrier(process_set, _FW)
 
 
 def gpu_available(ext_base_name: str = "tensorflow", verbose: bool = False) -> bool:
@@ -165,10 +98,6 @@ def refs_to_vars(refs: Sequence[Any]) -> list:
 
 
 # ------------------------------------------------------------------------------ bridge
-def _comm(process_set: Any) -> Any:
-    return hb.comm_for(process_set, _FW)
-
-
 def _wire(tensor: Any) -> tf.Tensor:
     t = tf.convert_to_tensor(tensor) if not isinstance(tensor, tf.IndexedSlices) \
         else tf.convert_to_tensor(tensor)
@@ -298,9 +227,7 @@ def broadcast_global_variables(root_rank: int) -> Any:
 def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
                      process_set: Any = global_process_set, comm: Any = None) -> Any:
     """Any picklable ``obj`` from ``root_rank`` (eager)."""
-    if comm is not None:
-        return comm.broadcast_object(obj, root=root_rank)
-    return _comm(process_set).broadcast_object(obj, root=hb.root_in(process_set, root_rank, _FW))
+    return _CALLS.broadcast_object(obj, root_rank, process_set, comm)
 
 
 def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,

@@ -1,14 +1,7 @@
-"""Process-group state for the TensorFlow front-end (see :mod:`horovod_compress.runtime.world`).
-
-The communicator is shared with the other front-ends in the same process;
-Horovod (``horovod.tensorflow``) is joined when the script imported it.
-"""
+"""Process-group state of the TensorFlow front-end: :class:`horovod_compress.runtime.world.FrontEndWorld`."""
 from ..runtime.world import FrontEndWorld
 
-_WORLD = FrontEndWorld("horovod.tensorflow")
-init = _WORLD.init
-communicator = _WORLD.communicator
-rank = _WORLD.rank
-size = _WORLD.size
-local_rank = _WORLD.local_rank
-horovod_active = _WORLD.horovod_active
+_WORLD = FrontEndWorld("horovod.tensorflow")   # its communicator is shared with the other front-ends
+init, communicator, rank, size, local_rank, horovod_active = (
+    _WORLD.init, _WORLD.communicator, _WORLD.rank, _WORLD.size, _WORLD.local_rank,
+    _WORLD.horovod_active)

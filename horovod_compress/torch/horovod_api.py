@@ -25,95 +25,25 @@ import torch
 
 from .. import horovod_basics as hb
 from ..compressors.registry import Compression, as_method
-from ..horovod_basics import (
-    Adasum,
-    Average,
-    HorovodInternalError,
-    Max,
-    Min,
-    ProcessSet,
-    Product,
-    Sum,
-    add_process_set,
-    ccl_built,
-    check_extension,
-    cuda_built,
-    ddl_built,
-    global_process_set,
-    gloo_built,
-    gloo_enabled,
-    is_initialized,
-    mpi_built,
-    mpi_enabled,
-    mpi_threads_supported,
-    nccl_built,
-    poll,
-    remove_process_set,
-    rocm_built,
-    start_timeline,
-    stop_timeline,
-    synchronize,
-)
+from ..horovod_basics import HorovodInternalError, poll, synchronize  # noqa: F401 - Horovod's
+from ..horovod_common import *  # noqa: F403 - Horovod's names every front-end shares
 from . import broadcast as _bcast
 from . import optimizer as _opt
 from .tensors import to_numpy
 
 _FW = "torch"
+_CALLS = hb.FrontEndCalls(_FW)
 
 
 # ------------------------------------------------------------------------------ world
-def init(comm: Any = None, process_sets: Any = None, **options: Any) -> None:
-    """Start (idempotent): MPI through mpi4py, or ``comm`` (a communicator or a list of ranks).
-
-    ``options`` go to :func:`horovod_compress.torch.world.init`
-    (``abort_on_exception=``, ``horovod=``).
-    """
-    hb.init(_FW, comm=comm, process_sets=process_sets, **options)
-
-
-def shutdown() -> None:
-    """Mark the front-end uninitialised (MPI is finalised by mpi4py at exit)."""
-    hb.shutdown(_FW)
-
-
-def rank() -> int:
-    """This process's rank in the world."""
-    return hb.rank(_FW)
-
-
-def size() -> int:
-    """The number of processes in the world."""
-    return hb.size(_FW)
-
-
-def local_rank() -> int:
-    """This process's rank among the processes of its node."""
-    return hb.local_rank(_FW)
-
-
-def local_size() -> int:
-    """The number of processes on this node."""
-    return hb.local_size(_FW)
-
-
-def cross_rank() -> int:
-    """This node's index among the nodes (the rank among processes with this local rank)."""
-    return hb.cross_rank(_FW)
-
-
-def cross_size() -> int:
-    """The number of nodes (processes with this local rank)."""
-    return hb.cross_size(_FW)
+(init, shutdown, rank, size, local_rank, local_size, cross_rank, cross_size, is_homogeneous,
+ barrier) = _CALLS.world()
+_comm = _CALLS.comm
 
 
 def join(device: int = -1) -> int:
     """Wait for every rank; return the rank that arrived last (see :func:`horovod_basics.join`)."""
     return hb.join(_FW)
-
-
-def barrier(process_set: Any = global_process_set) -> None:
-    """Wait until every rank of ``process_set`` reaches this call."""
-    hb.barrier(process_set, _FW)
 
 
 # ------------------------------------------------------------------------- tensors
@@ -130,10 +60,6 @@ def _host(tensor: torch.Tensor) -> np.ndarray:
     if not t.dtype.is_floating_point:
         return t.cpu().contiguous().numpy()
     return to_numpy(t)
-
-
-def _comm(process_set: Any) -> Any:
-    return hb.comm_for(process_set, _FW)
 
 
 def allreduce(tensor: torch.Tensor, average: Any = None, name: str | None = None,
@@ -292,9 +218,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
 def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None,
                      process_set: Any = global_process_set, comm: Any = None) -> Any:
     """Any picklable ``obj`` from ``root_rank``."""
-    if comm is not None:
-        return comm.broadcast_object(obj, root=root_rank)
-    return _comm(process_set).broadcast_object(obj, root=hb.root_in(process_set, root_rank, _FW))
+    return _CALLS.broadcast_object(obj, root_rank, process_set, comm)
 
 
 def broadcast_parameters(params: Any, root_rank: int = 0, comm: Any = None) -> None:

@@ -136,17 +136,62 @@ else:
         return math.ldexp(x, np.int32(e))
 
 
-@cuda.jit
-def _fill_kernel(a, value):
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while i < a.size:
-        a[i] = value
-        i += stride
+GRID_ARGS = 6   # arguments of a grid_stride body after the index
 
 
-def _with_scalar_inplace(a: Any, scalar: Any, kernel: Any, cupy_op: Callable) -> None:
-    """Run an in-place element-wise ``kernel(a_flat, scalar)`` on a contiguous device array.
+def grid_stride(body: Callable) -> Callable[..., None]:
+    """``run(n, *args)``: ``body(i, a0, ..., a5)`` for every i in [0, n), one grid-stride launch.
+
+    ``body`` is a device function of the index and ``GRID_ARGS`` arguments
+    (``run`` passes 0 for those not given); the launch is :func:`launch`'s.
+    ``body`` must not use ``cuda`` itself (atomics, shared memory): the
+    simulator swaps the ``cuda`` global of the kernel's module (this one) for
+    the whole launch, but that of a device function's module only while one
+    thread runs it, so another thread may find it restored.
+    """
+    @cuda.jit
+    def kernel(n, a0, a1, a2, a3, a4, a5):
+        i = cuda.grid(1)
+        stride = cuda.gridsize(1)
+        while i < n:
+            body(i, a0, a1, a2, a3, a4, a5)
+            i += stride
+
+    def run(n: int, *args: Any) -> None:
+        launch(kernel, n, np.int64(n), *args, *(0,) * (GRID_ARGS - len(args)))
+
+    return run
+
+
+@cuda.jit(device=True)
+def _fill_at(i, a, value, _2, _3, _4, _5):
+    a[i] = value
+
+
+@cuda.jit(device=True)
+def _divide_at(i, a, d, _2, _3, _4, _5):
+    a[i] = a[i] / d
+
+
+@cuda.jit(device=True)
+def _cast_at(i, src, dst, _2, _3, _4, _5):
+    dst[i] = src[i]
+
+
+@cuda.jit(device=True)
+def _gather_at(i, src, idx, out, _3, _4, _5):
+    out[i] = src[idx[i]]
+
+
+_FILL = grid_stride(_fill_at)
+_DIVIDE = grid_stride(_divide_at)
+_CAST = grid_stride(_cast_at)
+_GATHER = grid_stride(_gather_at)
+
+
+def _with_scalar_inplace(a: Any, scalar: Any, run: Callable, cupy_op: Callable) -> None:
+    """Run an in-place element-wise ``run(n, a_flat, scalar)`` (:func:`grid_stride`) on a contiguous
+    device array.
 
     ``scalar`` is converted to ``a``'s dtype first; CuPy arrays use
     ``cupy_op(a, scalar)`` instead of the Numba kernel; an empty ``a`` is left alone.
@@ -158,7 +203,7 @@ def _with_scalar_inplace(a: Any, scalar: Any, kernel: Any, cupy_op: Callable) ->
         cupy_op(a, s)
         return
     v = a.reshape(a.size)
-    kernel[blocks_for(v.size), TPB](v, s)
+    run(v.size, v, s)
 
 
 def _cupy_fill(a: Any, value: Any) -> None:
@@ -171,36 +216,18 @@ def _cupy_divide(a: Any, divisor: Any) -> None:
 
 def fill(a: Any, value: Any) -> None:
     """a[:] = value for a contiguous device array of any shape."""
-    _with_scalar_inplace(a, value, _fill_kernel, _cupy_fill)
-
-
-@cuda.jit
-def _divide_kernel(a, d):
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while i < a.size:
-        a[i] = a[i] / d
-        i += stride
+    _with_scalar_inplace(a, value, _FILL, _cupy_fill)
 
 
 def divide_inplace(a: Any, divisor: Any) -> None:
     """a[:] /= divisor on the device (in a's dtype), for a contiguous array of any shape."""
-    _with_scalar_inplace(a, divisor, _divide_kernel, _cupy_divide)
-
-
-@cuda.jit
-def _cast_kernel(src, dst):
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while i < src.size:
-        dst[i] = src[i]
-        i += stride
+    _with_scalar_inplace(a, divisor, _DIVIDE, _cupy_divide)
 
 
 def cast(x: Any, dtype: Any) -> Any:
     """A 1-D copy of ``x`` converted to ``dtype`` on the device (C casting rules)."""
     out = empty(x, x.size, dtype)
-    launch(_cast_kernel, x.size, x, out)
+    _CAST(x.size, x, out)
     return out
 
 
@@ -271,6 +298,37 @@ def chunk_sums_kernel(weight: Callable) -> Any:
     return kernel
 
 
+def chunk_tiles_kernel(tally: Callable, emit: Callable) -> Any:
+    """Pass 2 of the compaction and of the scan: ``(n, chunk, a0, a1, a2, a3, offsets, out)``.
+
+    Block b walks its chunk of [0, n) one tile at a time; every thread takes
+    ``ITEMS`` consecutive items ``[first, last)``: ``tally(a0..a3, first, last)``
+    gives their int64 weight and a bit mask (kept for ``emit``), a block-wide
+    exclusive scan of the weights plus ``offsets[b]`` gives the thread's first
+    output position ``w``, and ``emit(a0..a3, first, last, mask, w, out)``
+    writes its items.
+    """
+    @cuda.jit
+    def kernel(n, chunk, a0, a1, a2, a3, offsets, out):
+        sh = cuda.shared.array(TPB, int64)
+        t = cuda.threadIdx.x
+        b = cuda.blockIdx.x
+        start = b * chunk
+        stop = min(start + chunk, n)
+        base = offsets[b]
+        tile = start
+        while tile < stop:
+            first = tile + t * ITEMS
+            last = min(first + ITEMS, stop)
+            s, mask = tally(a0, a1, a2, a3, first, last)
+            excl, total = block_exclusive_scan(sh, t, s)
+            emit(a0, a1, a2, a3, first, last, mask, base + excl, out)
+            base += total
+            tile += TILE
+
+    return kernel
+
+
 class Compactor:
     """Ordered compaction for one predicate ``pred(a0, a1, a2, a3, i) -> bool``.
 
@@ -284,35 +342,19 @@ class Compactor:
         def hit(a0, a1, a2, a3, i):
             return int64(1) if pred(a0, a1, a2, a3, i) else int64(0)
 
-        @cuda.jit
-        def write_kernel(n, chunk, a0, a1, a2, a3, offsets, out):
-            sh = cuda.shared.array(TPB, int64)
-            t = cuda.threadIdx.x
-            b = cuda.blockIdx.x
-            start = b * chunk
-            stop = min(start + chunk, n)
-            base = offsets[b]
-            tile = start
-            while tile < stop:
-                first = tile + t * ITEMS
-                last = min(first + ITEMS, stop)
-                mask = np.uint64(0)
-                c = 0
-                for i in range(first, last):
-                    if pred(a0, a1, a2, a3, i):
-                        mask |= np.uint64(1) << np.uint64(i - first)
-                        c += 1
-                excl, total = block_exclusive_scan(sh, t, c)
-                w = base + excl
-                for i in range(first, last):
-                    if (mask >> np.uint64(i - first)) & np.uint64(1):
-                        out[w] = i
-                        w += 1
-                base += total
-                tile += TILE
+        @cuda.jit(device=True)
+        def tally(a0, a1, a2, a3, first, last):
+            """(hits in [first, last), their bit mask: bit i - first)."""
+            mask = np.uint64(0)
+            c = int64(0)
+            for i in range(first, last):
+                if pred(a0, a1, a2, a3, i):
+                    mask |= np.uint64(1) << np.uint64(i - first)
+                    c += 1
+            return c, mask
 
         self._count = chunk_sums_kernel(hit)
-        self._write = write_kernel
+        self._write = chunk_tiles_kernel(tally, _emit_hits)
 
     def _counts(self, n: int, a0: Any, a1: Any, a2: Any, a3: Any, like: Any) -> tuple[Any, int, int]:
         nb, chunk = chunking(n)
@@ -338,35 +380,37 @@ class Compactor:
 
 
 @cuda.jit(device=True)
+def _emit_hits(a0, a1, a2, a3, first, last, mask, w, out):
+    """The compaction's output: the hits of [first, last) (``mask``), in order from ``out[w]``."""
+    for i in range(first, last):
+        if (mask >> np.uint64(i - first)) & np.uint64(1):
+            out[w] = i
+            w += 1
+
+
+@cuda.jit(device=True)
 def _value(vals, a1, a2, a3, i):
     return int64(vals[i])
 
 
+@cuda.jit(device=True)
+def _sum_values(vals, a1, a2, a3, first, last):
+    s = int64(0)
+    for i in range(first, last):
+        s += int64(vals[i])
+    return s, np.uint64(0)
+
+
+@cuda.jit(device=True)
+def _emit_prefixes(vals, a1, a2, a3, first, last, mask, w, out):
+    """The scan's output: the exclusive prefix sum of every item of [first, last), from ``w``."""
+    for i in range(first, last):
+        out[i] = w
+        w += int64(vals[i])
+
+
 _chunk_sums_kernel = chunk_sums_kernel(_value)
-
-
-@cuda.jit
-def _chunk_scan_kernel(vals, n, chunk, offsets, out):
-    sh = cuda.shared.array(TPB, int64)
-    t = cuda.threadIdx.x
-    b = cuda.blockIdx.x
-    start = b * chunk
-    stop = min(start + chunk, n)
-    base = offsets[b]
-    tile = start
-    while tile < stop:
-        first = tile + t * ITEMS
-        last = min(first + ITEMS, stop)
-        s = int64(0)
-        for i in range(first, last):
-            s += int64(vals[i])
-        excl, total = block_exclusive_scan(sh, t, s)
-        w = base + excl
-        for i in range(first, last):
-            out[i] = w
-            w += int64(vals[i])
-        base += total
-        tile += TILE
+_chunk_scan_kernel = chunk_tiles_kernel(_sum_values, _emit_prefixes)
 
 
 def exclusive_scan(vals: Any) -> tuple[Any, int]:
@@ -379,7 +423,7 @@ def exclusive_scan(vals: Any) -> tuple[Any, int]:
     sums = empty(vals, nb, np.int64)
     _chunk_sums_kernel[nb, TPB](n, chunk, vals, 0, 0, 0, sums)
     offsets, total = _chunk_offsets(sums)
-    _chunk_scan_kernel[nb, TPB](vals, n, chunk, to_device(offsets, vals), out)
+    _chunk_scan_kernel[nb, TPB](n, chunk, vals, 0, 0, 0, to_device(offsets, vals), out)
     return out, total
 
 
@@ -421,19 +465,10 @@ def int_min_max(vals: Any) -> tuple[int, int]:
     return int(to_host(mins).min()), int(to_host(maxs).max())
 
 
-@cuda.jit
-def _gather_kernel(src, idx, out):
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while i < idx.size:
-        out[i] = src[idx[i]]
-        i += stride
-
-
 def gather(src: Any, idx: Any, dtype: Any = None) -> Any:
     """out[j] = src[idx[j]] (1-D), in ``dtype`` (default: src's)."""
     out = empty(src, idx.size, dtype if dtype is not None else src.dtype)
-    launch(_gather_kernel, idx.size, src, idx, out)
+    _GATHER(idx.size, src, idx, out)
     return out
 
 

@@ -28,8 +28,8 @@ from ._common import (
     blocks_for,
     empty,
     flat,
+    grid_stride,
     guard_simulator_globals,
-    launch,
     zeros,
 )
 from .rng import GOLDEN, splitmix64
@@ -53,25 +53,23 @@ def _next_probe(q, step, m):
     return q
 
 
-@cuda.jit
-def _positions_kernel(indices, m, h, seed, out):
-    t = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while t < indices.size:
-        q, step = _first_probe(indices[t], m, seed)
-        for j in range(h):
-            out[t, j] = q
-            q = _next_probe(q, step, m)
-        t += stride
+@cuda.jit(device=True)
+def _positions_at(t, indices, m, h, seed, out, _5):
+    q, step = _first_probe(indices[t], m, seed)
+    for j in range(h):
+        out[t, j] = q
+        q = _next_probe(q, step, m)
+
+
+_POSITIONS = grid_stride(_positions_at)
 
 
 def bloom_positions(indices: Any, m: int, h: int, seed: int) -> Any:
     """Bit positions ``pos[t, j] = h_j(indices[t])``, int64 of shape (len, h)."""
     indices = flat(indices, "indices")
     out = empty(indices, (indices.size, int(h)), np.int64)
-    if indices.size and h > 0:
-        _positions_kernel[blocks_for(indices.size), TPB](indices, np.int64(m), np.int64(h),
-                                                         np.uint64(seed), out)
+    if h > 0:
+        _POSITIONS(indices.size, indices, np.int64(m), np.int64(h), np.uint64(seed), out)
     return out
 
 
@@ -87,13 +85,12 @@ def _insert_kernel(indices, m, h, seed, words):
         t += stride
 
 
-@cuda.jit
-def _words_to_bytes_kernel(words, out):
-    j = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while j < out.size:
-        out[j] = np.uint8((words[j >> 2] >> np.uint32(8 * (j & 3))) & np.uint32(255))
-        j += stride
+@cuda.jit(device=True)
+def _byte_at(j, words, out, _2, _3, _4, _5):
+    out[j] = np.uint8((words[j >> 2] >> np.uint32(8 * (j & 3))) & np.uint32(255))
+
+
+_WORDS_TO_BYTES = grid_stride(_byte_at)
 
 
 def bloom_insert(indices: Any, m: int, h: int, seed: int) -> Any:
@@ -105,7 +102,7 @@ def bloom_insert(indices: Any, m: int, h: int, seed: int) -> Any:
         _insert_kernel[blocks_for(indices.size), TPB](indices, np.int64(m), np.int64(h),
                                                       np.uint64(seed), words)
     out = empty(indices, nbytes, np.uint8)
-    launch(_words_to_bytes_kernel, nbytes, words, out)
+    _WORDS_TO_BYTES(nbytes, words, out)
     return out
 
 

@@ -69,23 +69,16 @@ def _add_block_sum(sh, v, sat):
         cuda.atomic.add(sat, 0, total)
 
 
-@cuda.jit
-def _reduce8_kernel(a, b, out, key, counter, sat):
-    sh = cuda.shared.array(TPB, int64)
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    s = np.int64(0)
-    while i < a.size:
-        r = random_word(key, counter + np.uint64(i))
-        c, z = exp_reduce_pair(np.int64(a[i]), np.int64(b[i]), r, np.int64(7))
-        out[i] = np.uint8(c)
-        s += z
-        i += stride
-    _add_block_sum(sh, s, sat)
+_STREAM8, _STREAM4, _GIVEN = 0, 1, 2   # words: stream key, element i (8-bit) or 2i, 2i + 1; r[i]
 
 
 @cuda.jit
-def _reduce4_kernel(a, b, out, key, counter, sat):
+def _reduce_kernel(mode, a, b, r, sign_shift, key, counter, out, sat):
+    """``out[i]`` = Algorithm 2 on bytes ``a[i]``, ``b[i]``; ``sat[0]`` += the saturations.
+
+    ``mode`` ``_STREAM4``: both nibbles of packed 4-bit codes; otherwise one code
+    of sign bit ``sign_shift``, with the word of ``_STREAM8`` or ``r[i]`` (``_GIVEN``).
+    """
     sh = cuda.shared.array(TPB, int64)
     i = cuda.grid(1)
     stride = cuda.gridsize(1)
@@ -93,49 +86,43 @@ def _reduce4_kernel(a, b, out, key, counter, sat):
     while i < a.size:
         x = np.int64(a[i])
         y = np.int64(b[i])
-        r0 = random_word(key, counter + np.uint64(2 * i))
-        r1 = random_word(key, counter + np.uint64(2 * i + 1))
-        lo, s0 = exp_reduce_pair(x & 15, y & 15, r0, np.int64(3))
-        hi, s1 = exp_reduce_pair(x >> 4, y >> 4, r1, np.int64(3))
-        out[i] = np.uint8(lo | (hi << 4))
-        s += s0 + s1
+        if mode == _STREAM4:
+            lo, s0 = exp_reduce_pair(x & 15, y & 15, random_word(key, counter + np.uint64(2 * i)),
+                                     np.int64(3))
+            hi, s1 = exp_reduce_pair(x >> 4, y >> 4, random_word(key, counter + np.uint64(2 * i + 1)),
+                                     np.int64(3))
+            out[i] = np.uint8(lo | (hi << 4))
+            s += s0 + s1
+        else:
+            w = np.uint64(r[i]) if mode == _GIVEN else random_word(key, counter + np.uint64(i))
+            c, z = exp_reduce_pair(x, y, w, sign_shift)
+            out[i] = np.uint8(c)
+            s += z
         i += stride
     _add_block_sum(sh, s, sat)
 
 
-@cuda.jit
-def _reduce_codes_kernel(a, b, r, sign_shift, out, sat):
-    sh = cuda.shared.array(TPB, int64)
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    s = np.int64(0)
-    while i < a.size:
-        c, z = exp_reduce_pair(np.int64(a[i]), np.int64(b[i]), r[i], sign_shift)
-        out[i] = c
-        s += z
-        i += stride
-    _add_block_sum(sh, s, sat)
-
-
-def _launch(kernel, n: int, like: Any, *args: Any) -> int:
-    sat = zeros(like, 1, np.int64)
-    launch(kernel, n, *args, sat)
+def _launch(mode: int, a: Any, b: Any, r: Any, sign_shift: int, key: int, counter: int,
+            out: Any) -> int:
+    sat = zeros(a, 1, np.int64)
+    launch(_reduce_kernel, int(a.size), np.int64(mode), a, b, r, np.int64(sign_shift),
+           np.uint64(key), np.uint64(counter), out, sat)
     return int(to_host(sat)[0])
 
 
 def exp_reduce8_into(a: Any, b: Any, out: Any, key: int, counter: int) -> int:
     """8-bit codes: out[i] = reduce(a[i], b[i]) with word counter+i; returns saturations. ``out`` may alias ``b``."""
-    return _launch(_reduce8_kernel, int(a.size), a, a, b, out, np.uint64(key), np.uint64(counter))
+    return _launch(_STREAM8, a, b, a, 7, key, counter, out)
 
 
 def exp_reduce4_into(a: Any, b: Any, out: Any, key: int, counter: int) -> int:
     """Packed 4-bit codes: both nibbles reduced with words counter+2i, counter+2i+1; returns saturations."""
-    return _launch(_reduce4_kernel, int(a.size), a, a, b, out, np.uint64(key), np.uint64(counter))
+    return _launch(_STREAM4, a, b, a, 3, key, counter, out)
 
 
 def exp_reduce_codes_into(a: Any, b: Any, r: Any, sign_shift: int, out: Any) -> int:
     """Unpacked codes with explicit random words ``r``; returns saturations."""
-    return _launch(_reduce_codes_kernel, int(a.size), a, a, b, r, np.int64(sign_shift), out)
+    return _launch(_GIVEN, a, b, r, sign_shift, 0, 0, out)
 
 
 def exp_reduce_codes(a: Any, b: Any, r: Any, bits: int) -> Any:

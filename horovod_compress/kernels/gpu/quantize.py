@@ -1,6 +1,6 @@
 """GPU versions of :mod:`horovod_compress.kernels.quantize` (Numba CUDA), bit-identical to the CPU.
 
-One thread per element (grid-stride), element ``i`` drawing uniform ``i`` of
+One thread per element (grid-stride, :func:`._common.grid_stride`), element ``i`` drawing uniform ``i`` of
 stream ``key`` from :mod:`.rng`, exactly as the CPU loop does; the arithmetic
 is the CPU kernel's, operation for operation, in float64 (products by powers
 of two, ``frexp``/``ldexp`` and ``floor`` are exact, so FMA contraction on the
@@ -22,36 +22,34 @@ import numpy as np
 from numba import cuda
 
 from ..quantize import exp_code_layout
-from ._common import empty, flat, guard_simulator_globals, launch, ldexp
+from ._common import empty, flat, grid_stride, guard_simulator_globals, ldexp
 from .rng import random_uniform
 
 
 # ------------------------------------------------------------------- linear
-@cuda.jit
-def linear_quantize_kernel(x, scale, levels, key, out):
-    """CUDA: stochastic linear quantization of ``x`` to signed levels in ``[-levels, levels]`` (grid-stride)."""
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while i < x.size:
-        v = np.float64(x[i])
-        y = abs(v) * scale * levels
-        q = np.int64(0)
-        if y > 0.0 and y < math.inf:
-            lo = math.floor(y)
-            u = random_uniform(key, np.uint64(i))
-            q = np.int64(lo) + np.int64(u < (y - lo))
-            if q > levels:
-                q = levels
-            if v < 0.0:
-                q = -q
-        out[i] = q
-        i += stride
+@cuda.jit(device=True)
+def _linear_quantize_at(i, x, scale, levels, key, out, _5):
+    """Stochastic linear quantization of ``x[i]`` to a signed level in ``[-levels, levels]``."""
+    v = np.float64(x[i])
+    y = abs(v) * scale * levels
+    q = np.int64(0)
+    if y > 0.0 and y < math.inf:
+        lo = math.floor(y)
+        u = random_uniform(key, np.uint64(i))
+        q = np.int64(lo) + np.int64(u < (y - lo))
+        if q > levels:
+            q = levels
+        if v < 0.0:
+            q = -q
+    out[i] = q
+
+
+_LINEAR_QUANTIZE = grid_stride(_linear_quantize_at)
 
 
 def linear_quantize_into(x: Any, scale: float, levels: int, key: int, out: Any) -> None:
     """out[i] = sign(x[i]) * xi(|x[i]| * scale * levels) with uniform i of stream ``key``."""
-    launch(linear_quantize_kernel, x.size, x, np.float64(scale), np.int64(levels),
-           np.uint64(key), out)
+    _LINEAR_QUANTIZE(x.size, x, np.float64(scale), np.int64(levels), np.uint64(key), out)
 
 
 def linear_quantize(x: Any, scale: float, levels: int, key: int) -> Any:
@@ -64,49 +62,46 @@ def linear_quantize(x: Any, scale: float, levels: int, key: int) -> Any:
     return out
 
 
-@cuda.jit
-def linear_dequantize_kernel(q, scale, out):
-    """CUDA: ``out = q * scale`` level by level (grid-stride)."""
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while i < q.size:
-        out[i] = np.float64(q[i]) * scale
-        i += stride
+@cuda.jit(device=True)
+def _linear_dequantize_at(i, q, scale, out, _3, _4, _5):
+    out[i] = np.float64(q[i]) * scale
+
+
+_LINEAR_DEQUANTIZE = grid_stride(_linear_dequantize_at)
 
 
 def linear_dequantize(q: Any, scale: float, dtype: Any = np.float32) -> Any:
     """Floats ``q * scale`` in ``dtype``."""
     q = flat(q, "q")
     out = empty(q, q.size, dtype)
-    launch(linear_dequantize_kernel, q.size, q, np.float64(scale), out)
+    _LINEAR_DEQUANTIZE(q.size, q, np.float64(scale), out)
     return out
 
 
 # -------------------------------------------------------------- exponential
-@cuda.jit
-def exp_quantize_kernel(x, scale, emax, sign_shift, key, out):
-    """CUDA: stochastic exponential (power-of-two) dithering of ``x`` to sign + exponent codes (grid-stride)."""
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while i < x.size:
-        v = np.float64(x[i])
-        a = abs(v) * scale
-        code = np.int64(0)
-        if a > 0.0 and a < math.inf:
-            m, ex = math.frexp(a)
-            e_low = np.int64(1) - np.int64(ex)
-            u = random_uniform(key, np.uint64(i))
-            if e_low > emax:
-                e = emax if u < ldexp(a, emax) else np.int64(0)
-            else:
-                e = e_low - 1 if u < 2.0 * m - 1.0 else e_low
-                if e < 1:
-                    e = np.int64(1)
-            code = e
-            if v < 0.0 and e > 0:
-                code = e | (np.int64(1) << sign_shift)
-        out[i] = code
-        i += stride
+@cuda.jit(device=True)
+def _exp_quantize_at(i, x, scale, emax, sign_shift, key, out):
+    """Stochastic exponential (power-of-two) dithering of ``x[i]`` to a sign + exponent code."""
+    v = np.float64(x[i])
+    a = abs(v) * scale
+    code = np.int64(0)
+    if a > 0.0 and a < math.inf:
+        m, ex = math.frexp(a)
+        e_low = np.int64(1) - np.int64(ex)
+        u = random_uniform(key, np.uint64(i))
+        if e_low > emax:
+            e = emax if u < ldexp(a, emax) else np.int64(0)
+        else:
+            e = e_low - 1 if u < 2.0 * m - 1.0 else e_low
+            if e < 1:
+                e = np.int64(1)
+        code = e
+        if v < 0.0 and e > 0:
+            code = e | (np.int64(1) << sign_shift)
+    out[i] = code
+
+
+_EXP_QUANTIZE = grid_stride(_exp_quantize_at)
 
 
 def exp_quantize(x: Any, scale: float, bits: int, key: int) -> Any:
@@ -114,27 +109,25 @@ def exp_quantize(x: Any, scale: float, bits: int, key: int) -> Any:
     sign_shift, emax = exp_code_layout(bits)
     x = flat(x)
     out = empty(x, x.size, np.uint8)
-    launch(exp_quantize_kernel, x.size, x, np.float64(scale), np.int64(emax),
-           np.int64(sign_shift), np.uint64(key), out)
+    _EXP_QUANTIZE(x.size, x, np.float64(scale), np.int64(emax), np.int64(sign_shift),
+                  np.uint64(key), out)
     return out
 
 
-@cuda.jit
-def exp_dequantize_kernel(codes, scale, sign_shift, out):
-    """CUDA: the values of exponential codes, ``sign * scale * 2^-e`` (code 0 is zero; grid-stride)."""
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    emask = (np.int64(1) << sign_shift) - 1
-    while i < codes.size:
-        c = np.int64(codes[i])
-        e = c & emask
-        val = 0.0
-        if e > 0:
-            val = ldexp(scale, -e)
-            if (c >> sign_shift) & 1:
-                val = -val
-        out[i] = val
-        i += stride
+@cuda.jit(device=True)
+def _exp_dequantize_at(i, codes, scale, sign_shift, out, _4, _5):
+    """The value of exponential code i, ``sign * scale * 2^-e`` (code 0 is zero)."""
+    c = np.int64(codes[i])
+    e = c & ((np.int64(1) << sign_shift) - 1)
+    val = 0.0
+    if e > 0:
+        val = ldexp(scale, -e)
+        if (c >> sign_shift) & 1:
+            val = -val
+    out[i] = val
+
+
+_EXP_DEQUANTIZE = grid_stride(_exp_dequantize_at)
 
 
 def exp_dequantize(codes: Any, scale: float, bits: int, dtype: Any = np.float32) -> Any:
@@ -142,47 +135,42 @@ def exp_dequantize(codes: Any, scale: float, bits: int, dtype: Any = np.float32)
     sign_shift, _ = exp_code_layout(bits)
     codes = flat(codes, "codes")
     out = empty(codes, codes.size, dtype)
-    launch(exp_dequantize_kernel, codes.size, codes, np.float64(scale),
-           np.int64(sign_shift), out)
+    _EXP_DEQUANTIZE(codes.size, codes, np.float64(scale), np.int64(sign_shift), out)
     return out
 
 
 # ------------------------------------------------------------------ packing
-@cuda.jit
-def pack_nibbles_kernel(codes, out):
-    """CUDA: two 4-bit codes per byte, element 2i in the low nibble (grid-stride)."""
-    j = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    n = codes.size
-    while j < out.size:
-        lo = np.int64(codes[2 * j]) & 15
-        hi = np.int64(0)
-        if 2 * j + 1 < n:
-            hi = np.int64(codes[2 * j + 1]) & 15
-        out[j] = np.uint8(lo | (hi << 4))
-        j += stride
+@cuda.jit(device=True)
+def _pack_nibbles_at(j, codes, out, _2, _3, _4, _5):
+    """Byte j: codes 2j (low nibble) and 2j + 1 (high nibble, 0 past the end)."""
+    lo = np.int64(codes[2 * j]) & 15
+    hi = np.int64(0)
+    if 2 * j + 1 < codes.size:
+        hi = np.int64(codes[2 * j + 1]) & 15
+    out[j] = np.uint8(lo | (hi << 4))
+
+
+_PACK_NIBBLES = grid_stride(_pack_nibbles_at)
 
 
 def pack_nibbles(codes: Any) -> Any:
     """Two 4-bit codes per byte, element 2j in the low nibble (int8 levels keep two's complement)."""
     codes = flat(codes, "codes")
     out = empty(codes, (codes.size + 1) // 2, np.uint8)
-    launch(pack_nibbles_kernel, out.size, codes, out)
+    _PACK_NIBBLES(out.size, codes, out)
     return out
 
 
-@cuda.jit
-def unpack_nibbles_kernel(packed, signed, out):
-    """CUDA: the inverse of :func:`pack_nibbles_kernel`, optionally sign-extending each nibble."""
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while i < out.size:
-        b = np.int64(packed[i // 2])
-        v = (b >> (4 * (i % 2))) & 15
-        if signed:
-            v = (v ^ 8) - 8
-        out[i] = v
-        i += stride
+@cuda.jit(device=True)
+def _unpack_nibble_at(i, packed, signed, out, _3, _4, _5):
+    """Code i of packed bytes, optionally sign-extending the nibble."""
+    v = (np.int64(packed[i // 2]) >> (4 * (i % 2))) & 15
+    if signed:
+        v = (v ^ 8) - 8
+    out[i] = v
+
+
+_UNPACK_NIBBLES = grid_stride(_unpack_nibble_at)
 
 
 def unpack_nibbles(packed: Any, n: int, signed: bool = False) -> Any:
@@ -191,27 +179,26 @@ def unpack_nibbles(packed: Any, n: int, signed: bool = False) -> Any:
     if n > 2 * packed.size:
         raise ValueError(f"n must be at most 2 * len(packed) = {2 * packed.size}, got {n}")
     out = empty(packed, int(n), np.int8 if signed else np.uint8)
-    launch(unpack_nibbles_kernel, n, packed, bool(signed), out)
+    _UNPACK_NIBBLES(n, packed, bool(signed), out)
     return out
 
 
-@cuda.jit
-def nibble_add_kernel(a, b, out):
-    """CUDA: lane-wise sum of two packed 4-bit arrays (the reduction of 4-bit linear codes)."""
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while i < a.size:
-        x = np.int64(a[i])
-        y = np.int64(b[i])
-        out[i] = np.uint8((((x & 0x77) + (y & 0x77)) ^ ((x ^ y) & 0x88)) & 0xFF)
-        i += stride
+@cuda.jit(device=True)
+def _nibble_add_at(i, a, b, out, _3, _4, _5):
+    """Lane-wise sum of two bytes of packed 4-bit lanes (the reduction of 4-bit linear codes)."""
+    x = np.int64(a[i])
+    y = np.int64(b[i])
+    out[i] = np.uint8((((x & 0x77) + (y & 0x77)) ^ ((x ^ y) & 0x88)) & 0xFF)
+
+
+_NIBBLE_ADD = grid_stride(_nibble_add_at)
 
 
 def nibble_add_into(a: Any, b: Any, out: Any) -> None:
     """Lane-wise sum modulo 16 of two signed 4-bit lanes per byte (SWAR); ``out`` may alias."""
     if a.size != b.size or out.size != a.size:
         raise ValueError(f"a, b and out must have the same length, got {a.size}, {b.size}, {out.size}")
-    launch(nibble_add_kernel, a.size, a, b, out)
+    _NIBBLE_ADD(a.size, a, b, out)
 
 
 __all__ = ["exp_dequantize", "exp_quantize", "linear_dequantize", "linear_quantize",

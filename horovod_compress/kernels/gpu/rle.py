@@ -25,19 +25,8 @@ import numpy as np
 from numba import cuda
 
 from ..rle import INVALID, OK, OVERFLOW, TRUNCATED
-from ._common import (
-    TPB,
-    Compactor,
-    blocks_for,
-    empty,
-    exclusive_scan,
-    flat,
-    guard_simulator_globals,
-    launch,
-    to_device,
-    to_host,
-    zeros,
-)
+from ._common import (Compactor, empty, exclusive_scan, flat, grid_stride, guard_simulator_globals,
+                      launch, to_device, to_host, zeros)
 
 
 # --------------------------------------------------------------- encoding runs
@@ -49,23 +38,23 @@ def _run_start(idx, unused1, unused2, unused3, j):
 _RUN_STARTS = Compactor(_run_start)
 
 
-@cuda.jit
-def _runs_kernel(idx, starts, n, runs):
-    r = cuda.grid(1)
-    stride = cuda.gridsize(1)
+@cuda.jit(device=True)
+def _run_at(r, idx, starts, n, runs, _4, _5):
+    """Run r of ones (from its start and the next run's) and the zeros before it (and after the last)."""
     nr = starts.size
     k = idx.size
-    while r < nr:
-        s = starts[r]
-        e = (starts[r + 1] if r + 1 < nr else k) - 1
-        if r == 0:
-            runs[0] = idx[s]
-        else:
-            runs[2 * r] = idx[s] - idx[s - 1] - 1
-        runs[2 * r + 1] = idx[e] + 1 - idx[s]
-        if r == nr - 1:
-            runs[2 * r + 2] = n - idx[k - 1] - 1
-        r += stride
+    s = starts[r]
+    e = (starts[r + 1] if r + 1 < nr else k) - 1
+    if r == 0:
+        runs[0] = idx[s]
+    else:
+        runs[2 * r] = idx[s] - idx[s - 1] - 1
+    runs[2 * r + 1] = idx[e] + 1 - idx[s]
+    if r == nr - 1:
+        runs[2 * r + 2] = n - idx[k - 1] - 1
+
+
+_RUNS = grid_stride(_run_at)
 
 
 def runs_from_sorted_indices(indices: Any, n: int) -> Any:
@@ -76,7 +65,7 @@ def runs_from_sorted_indices(indices: Any, n: int) -> Any:
         return to_device(np.array([n], np.int64), idx)
     starts = _RUN_STARTS.indices(k, idx, 0, 0, 0, idx)
     runs = empty(idx, 2 * starts.size + 1, np.int64)
-    _runs_kernel[blocks_for(starts.size), TPB](idx, starts, np.int64(n), runs)
+    _RUNS(starts.size, idx, starts, np.int64(n), runs)
     return runs
 
 
@@ -94,26 +83,22 @@ def _check_runs_kernel(runs, n, flag):
         j += stride
 
 
-@cuda.jit
-def _ones_only_kernel(runs, out):
-    j = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while j < runs.size:
-        out[j] = runs[j] if j % 2 == 1 else 0
-        j += stride
+@cuda.jit(device=True)
+def _ones_only_at(j, runs, out, _2, _3, _4, _5):
+    out[j] = runs[j] if j % 2 == 1 else 0
 
 
-@cuda.jit
-def _expand_kernel(runs, pos, offs, out):
-    j = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while j < runs.size:
-        if j % 2 == 1:
-            p = pos[j]
-            w = offs[j]
-            for q in range(runs[j]):
-                out[w + q] = p + q
-        j += stride
+@cuda.jit(device=True)
+def _expand_at(j, runs, pos, offs, out, _4, _5):
+    if j % 2 == 1:
+        p = pos[j]
+        w = offs[j]
+        for q in range(runs[j]):
+            out[w + q] = p + q
+
+
+_ONES_ONLY = grid_stride(_ones_only_at)
+_EXPAND = grid_stride(_expand_at)
 
 
 def indices_from_runs(runs: Any, n: int) -> tuple[Any, int]:
@@ -128,49 +113,45 @@ def indices_from_runs(runs: Any, n: int) -> tuple[Any, int]:
     if m % 2 == 0:
         return empty_out, INVALID
     flag = zeros(runs, 1, np.int64)
-    _check_runs_kernel[blocks_for(m), TPB](runs, np.int64(n), flag)
+    launch(_check_runs_kernel, m, runs, np.int64(n), flag)
     if int(to_host(flag)[0]):
         return empty_out, INVALID
     pos, total = exclusive_scan(runs)
     if total != n:
         return empty_out, INVALID
     ones_only = empty(runs, m, np.int64)
-    _ones_only_kernel[blocks_for(m), TPB](runs, ones_only)
+    _ONES_ONLY(m, runs, ones_only)
     offs, ones = exclusive_scan(ones_only)
     out = empty(runs, ones, np.int64)
     if ones:
-        _expand_kernel[blocks_for(m), TPB](runs, pos, offs, out)
+        _EXPAND(m, runs, pos, offs, out)
     return out, OK
 
 
 # ------------------------------------------------------------------- varints
-@cuda.jit
-def _varint_sizes_kernel(values, sizes):
-    j = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while j < values.size:
-        v = values[j]
-        s = 1
-        while v >= 128:
-            v >>= 7
-            s += 1
-        sizes[j] = s
-        j += stride
+@cuda.jit(device=True)
+def _varint_size_at(j, values, sizes, _2, _3, _4, _5):
+    v = values[j]
+    s = 1
+    while v >= 128:
+        v >>= 7
+        s += 1
+    sizes[j] = s
 
 
-@cuda.jit
-def _varint_write_kernel(values, offs, out):
-    j = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while j < values.size:
-        v = values[j]
-        w = offs[j]
-        while v >= 128:
-            out[w] = np.uint8((v & 127) | 128)
-            v >>= 7
-            w += 1
-        out[w] = np.uint8(v & 255)
-        j += stride
+@cuda.jit(device=True)
+def _varint_write_at(j, values, offs, out, _3, _4, _5):
+    v = values[j]
+    w = offs[j]
+    while v >= 128:
+        out[w] = np.uint8((v & 127) | 128)
+        v >>= 7
+        w += 1
+    out[w] = np.uint8(v & 255)
+
+
+_VARINT_SIZES = grid_stride(_varint_size_at)
+_VARINT_WRITE = grid_stride(_varint_write_at)
 
 
 def varint_encode(values: Any) -> Any:
@@ -180,10 +161,10 @@ def varint_encode(values: Any) -> Any:
     if k == 0:
         return empty(values, 0, np.uint8)
     sizes = empty(values, k, np.int64)
-    _varint_sizes_kernel[blocks_for(k), TPB](values, sizes)
+    _VARINT_SIZES(k, values, sizes)
     offs, total = exclusive_scan(sizes)
     out = empty(values, total, np.uint8)
-    _varint_write_kernel[blocks_for(k), TPB](values, offs, out)
+    _VARINT_WRITE(k, values, offs, out)
     return out
 
 
@@ -206,19 +187,18 @@ def _first_long_kernel(ends, count, first_bad):
         j += stride
 
 
-@cuda.jit
-def _varint_decode_kernel(buf, ends, count, out):
-    j = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while j < count:
-        start = ends[j - 1] + 1 if j > 0 else 0
-        v = np.int64(0)
-        shift = np.int64(0)
-        for p in range(start, ends[j] + 1):
-            v |= (np.int64(buf[p]) & 127) << shift
-            shift += 7
-        out[j] = v
-        j += stride
+@cuda.jit(device=True)
+def _varint_decode_at(j, buf, ends, out, _3, _4, _5):
+    start = ends[j - 1] + 1 if j > 0 else 0
+    v = np.int64(0)
+    shift = np.int64(0)
+    for p in range(start, ends[j] + 1):
+        v |= (np.int64(buf[p]) & 127) << shift
+        shift += 7
+    out[j] = v
+
+
+_VARINT_DECODE = grid_stride(_varint_decode_at)
 
 
 def varint_decode(buf: Any, count: int) -> tuple[Any, int, int]:
@@ -232,7 +212,7 @@ def varint_decode(buf: Any, count: int) -> tuple[Any, int, int]:
     launch(_first_long_kernel, have, ends, np.int64(have), bad)
     first_bad = min(int(to_host(bad)[0]), have if have < count else count)
     out = empty(buf, first_bad, np.int64)
-    launch(_varint_decode_kernel, first_bad, buf, ends, np.int64(first_bad), out)
+    _VARINT_DECODE(first_bad, buf, ends, out)
     if first_bad == count:
         used = int(to_host(ends[count - 1:count])[0]) + 1 if count else 0
         return out, used, OK

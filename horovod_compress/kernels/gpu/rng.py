@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from ._common import empty, guard_simulator_globals, launch
+from ._common import empty, grid_stride, guard_simulator_globals
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -39,35 +39,31 @@ def random_uniform(key, index):
     return np.float64(random_word(key, index) >> np.uint64(11)) * TWO_POW_M53
 
 
-@cuda.jit
-def _words_kernel(key, start, out):
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while i < out.size:
-        out[i] = random_word(key, start + np.uint64(i))
-        i += stride
+@cuda.jit(device=True)
+def _word_at(i, key, start, out, _3, _4, _5):
+    out[i] = random_word(key, start + np.uint64(i))
 
 
-@cuda.jit
-def _uniforms_kernel(key, start, out):
-    i = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while i < out.size:
-        out[i] = random_uniform(key, start + np.uint64(i))
-        i += stride
+@cuda.jit(device=True)
+def _uniform_at(i, key, start, out, _3, _4, _5):
+    out[i] = random_uniform(key, start + np.uint64(i))
+
+
+_WORDS = grid_stride(_word_at)
+_UNIFORMS = grid_stride(_uniform_at)
 
 
 def random_words(key: int, start: int, n: int, like=None):
     """Words ``start .. start+n-1`` of stream ``key`` as a uint64 device array."""
     out = empty(like, int(n), np.uint64)
-    launch(_words_kernel, n, np.uint64(key), np.uint64(start), out)
+    _WORDS(n, np.uint64(key), np.uint64(start), out)
     return out
 
 
 def random_uniforms(key: int, start: int, n: int, like=None):
     """Uniforms ``start .. start+n-1`` of stream ``key`` as a float64 device array."""
     out = empty(like, int(n), np.float64)
-    launch(_uniforms_kernel, n, np.uint64(key), np.uint64(start), out)
+    _UNIFORMS(n, np.uint64(key), np.uint64(start), out)
     return out
 
 

@@ -25,9 +25,9 @@ from ._common import (
     empty,
     fill,
     flat,
+    grid_stride,
     guard_simulator_globals,
     is_device_array,
-    launch,
 )
 
 
@@ -39,16 +39,20 @@ def _matrix(mat: Any, name: str) -> Any:
     return mat
 
 
-@cuda.jit
-def _gather_kernel(mat, rows, out):
-    e = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    k, n = out.shape
-    while e < k * n:
-        r = e // n
-        c = e - r * n
-        out[r, c] = mat[rows[r], c]
-        e += stride
+@cuda.jit(device=True)
+def _copy_row_element(e, src, rows, dst, scatter, _4, _5):
+    """Element e of the K x n block: ``dst[r, c] = src[rows[r], c]`` (gather) or, with
+    ``scatter``, ``dst[rows[r], c] = src[r, c]``; consecutive e on consecutive columns."""
+    n = src.shape[1]
+    r = e // n
+    c = e - r * n
+    if scatter:
+        dst[rows[r], c] = src[r, c]
+    else:
+        dst[r, c] = src[rows[r], c]
+
+
+_COPY_ROWS = grid_stride(_copy_row_element)
 
 
 def gather_rows(mat: Any, rows: Any) -> Any:
@@ -56,20 +60,8 @@ def gather_rows(mat: Any, rows: Any) -> Any:
     mat = _matrix(mat, "mat")
     rows = flat(rows, "rows")
     out = empty(mat, (rows.size, mat.shape[1]), mat.dtype)
-    launch(_gather_kernel, out.size, mat, rows, out)
+    _COPY_ROWS(out.size, mat, rows, out, False)
     return out
-
-
-@cuda.jit
-def _scatter_kernel(block, rows, out):
-    e = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    k, n = block.shape
-    while e < k * n:
-        r = e // n
-        c = e - r * n
-        out[rows[r], c] = block[r, c]
-        e += stride
 
 
 def scatter_rows(block: Any, rows: Any, m: int, out: Any = None) -> Any:
@@ -80,7 +72,7 @@ def scatter_rows(block: Any, rows: Any, m: int, out: Any = None) -> Any:
     if out is None:
         out = empty(block, (int(m), n), block.dtype)
     fill(out, 0)
-    launch(_scatter_kernel, block.size, block, rows, out)
+    _COPY_ROWS(block.size, block, rows, out, True)
     return out
 
 

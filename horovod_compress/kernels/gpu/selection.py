@@ -42,9 +42,9 @@ from ._common import (
     fill,
     flat,
     gather,
+    grid_stride,
     guard_simulator_globals,
     int_min_max,
-    launch,
     to_device,
     to_host,
     zeros,
@@ -215,27 +215,26 @@ def _positive(counts, unused1, unused2, unused3, i):
 _PRESENT = Compactor(_positive)
 
 
-@cuda.jit
-def _segment_sum_kernel(uniq, counts, cursor, members, values, out_val):
-    u = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    while u < uniq.size:
-        i = uniq[u]
-        end = cursor[i]
-        start = end - counts[i]
-        # insertion sort of the segment's input positions (segments hold ~P entries)
-        for a in range(start + 1, end):
-            key = members[a]
-            b = a - 1
-            while b >= start and members[b] > key:
-                members[b + 1] = members[b]
-                b -= 1
-            members[b + 1] = key
-        s = np.float64(values[members[start]])
-        for a in range(start + 1, end):
-            s += np.float64(values[members[a]])
-        out_val[u] = s
-        u += stride
+@cuda.jit(device=True)
+def _segment_sum_at(u, uniq, counts, cursor, members, values, out_val):
+    i = uniq[u]
+    end = cursor[i]
+    start = end - counts[i]
+    # insertion sort of the segment's input positions (segments hold ~P entries)
+    for a in range(start + 1, end):
+        key = members[a]
+        b = a - 1
+        while b >= start and members[b] > key:
+            members[b + 1] = members[b]
+            b -= 1
+        members[b + 1] = key
+    s = np.float64(values[members[start]])
+    for a in range(start + 1, end):
+        s += np.float64(values[members[a]])
+    out_val[u] = s
+
+
+_SEGMENT_SUMS = grid_stride(_segment_sum_at)
 
 
 def coo_sum(indices: Any, values: Any) -> tuple[Any, Any]:
@@ -269,7 +268,7 @@ def coo_sum(indices: Any, values: Any) -> tuple[Any, Any]:
     _slot_kernel[nb, TPB](idx, cursor, members)
     uniq = _PRESENT.indices(span, counts, 0, 0, 0, idx)
     out_val = empty(idx, uniq.size, np.float64)
-    launch(_segment_sum_kernel, uniq.size, uniq, counts, cursor, members, val, out_val)
+    _SEGMENT_SUMS(uniq.size, uniq, counts, cursor, members, val, out_val)
     return uniq, out_val
 
 
