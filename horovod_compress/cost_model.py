@@ -10,16 +10,18 @@ rank moves; Global-QSGD (Section 7) models a tree allreduce as
 ``2 log(n) alpha + 2 log(n) S / B + log(n) S / gamma``, i.e. adds the
 compute of the reduction. Here one step costs
 
-    T = T_compute + T_compress + sum_op [ calls_op * rounds_op(P) * alpha
-                                          + max(sent_op, received_op) / (eta_op * B) ]
+    T = T_compute + T_compress + sum_op max(0, calls_op * rounds_op(P) * alpha
+                                               + max(sent_op, received_op) / (eta_op * B) - W_op)
 
 with ``B`` the link bandwidth in bytes/s, ``sent``/``received`` the bytes per
 rank the :class:`~horovod_compress.mpi_collectives.Communicator` counts under
 the Ok-Topk volume model (a link is full duplex, so sending and receiving
 overlap), ``rounds_op(P)`` the latency terms of Table 1, and ``eta_op`` the
-fraction of the link a collective reaches (1 for the textbook model; fitted on
-a testbed by :func:`fit_link`). ``T_compute`` (forward/backward) and
-``T_compress`` (everything the method computes) are measured.
+fraction of the link a collective reaches (1 for the textbook model; measured
+on a testbed by :func:`fit_link` from that op's own probe), and ``W_op`` the
+method's work that runs while the op's bytes are on the wire (0 except for a
+pipelined ring, below). ``T_compute`` (forward/backward) and ``T_compress``
+(everything the method computes) are measured.
 
 On a shaped testbed these refinements bring the same model closer
 (:func:`predict` applies each only when the :class:`Network` carries the
@@ -49,6 +51,36 @@ quantity, so a preset stays the textbook model):
   21 ms measured).
 * **Each collective kind at its own measured rate and alpha**; an operation
   without a probe of its own takes the nearest one's (:data:`PROBE_OF`).
+* **The transport that really carried the bytes.** A method may run an
+  allreduce as its own pipelined ring of point-to-point messages
+  (``reduce_ops.ring_reduce_once``: Global-QSGD's 8-bit exponential payload,
+  the 16-bit casts) instead of MPI's allreduce. Its bytes are still an
+  allreduce's (2N(P-1)/P per rank), but they cross the links as eager
+  point-to-point segments, so the profile lists them under the op
+  :data:`RING`: ``2 (P-1)`` latency rounds (Patarasuk & Yuan's ring, one
+  pipeline start per step) and the point-to-point probe's alpha and rate.
+* **Work that hides the wire** (``StepProfile.overlap_s``): that ring runs the
+  method's quantization, reduction and dequantization between its progress
+  calls while segments are on the wire, so a rank is inside MPI only for the
+  part of the wire time its own work did not cover:
+  ``T_op = max(0, latency + transfer - W_op)`` with ``W_op`` the measured
+  wall time of that work (the pipelining bound ``max(T_wire, W)`` of a
+  pipelined ring, minus the ``W`` counted as compression).
+* **Point-to-point exchanges** (op ``p2p``): a send and a receive counted as
+  two calls are one exchange on a full-duplex link (each direction has its
+  own token bucket), so without recorded sizes ``calls / 2`` exchanges of
+  ``max(sent, received)`` bytes in all pass through the buckets, not ``calls``.
+* **A per-call wait for peers, measured as a mean at the method's own spacing
+  of calls** (``Network.call_wait_curve``): with more ranks than cores a call
+  first waits for the peers the scheduler has not run yet, then runs its
+  rounds. The interleaved probe times one tiny allreduce between bursts of CPU
+  work of a few lengths; its *mean* (a step's comm time is a sum over calls,
+  and a median drops the long waits that dominate the sum) less the tiny
+  allreduce's own rounds x alpha is the wait ``w(g)``, read at the CPU work
+  ``g`` between the method's calls (its compression CPU time / its calls),
+  log-linear between the probed lengths. A call then costs
+  ``rounds x alpha_op + w(g)``: the wait is once per call (the ranks arrive
+  once), not once per round.
 
 To extrapolate to other P, a method's bytes per step scale with its
 algorithm's volume law (Table 1): allreduce-like volume ``(P-1)/P``
@@ -59,7 +91,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Sequence
 
 from .cluster.netns import parse_duration, parse_rate
 
@@ -78,6 +110,24 @@ class Network:
     round_latency: float = 0.0     # least time per message round (scheduling), replaces call_latency when set
     burst_bytes: float = 0.0       # token bucket depth of each shaped link direction (tbf burst); 0: none
     ring_from: float | None = None  # allreduce by recursive doubling below, ring from this many bytes
+    #: (CPU work between calls in s, mean wait for peers per call in s), ascending in work: the
+    #: interleaved probe at several spacings of calls; replaces the floors above when set
+    call_wait_curve: tuple[tuple[float, float], ...] = ()
+
+    def call_wait(self, gap: float) -> float:
+        """Mean wait for peers of one call issued after ``gap`` seconds of CPU work
+        (:attr:`call_wait_curve`: the nearest probed spacing, log-linear between two, constant
+        beyond the ends; 0 without a curve)."""
+        curve = self.call_wait_curve
+        if not curve:
+            return 0.0
+        if gap <= curve[0][0] or len(curve) == 1:
+            return curve[0][1]
+        for (g0, f0), (g1, f1) in zip(curve, curve[1:]):
+            if gap <= g1:
+                w = math.log(gap / g0) / math.log(g1 / g0) if g1 > g0 > 0 else 1.0
+                return f0 + w * (f1 - f0)
+        return curve[-1][1]
 
     def rounds(self, op: str, world_size: int, message_bytes: float) -> float:
         """Latency rounds of one ``op`` call moving ``message_bytes`` per rank (volume model).
@@ -87,6 +137,8 @@ class Network:
         message ``N = bytes / (2 (P-1) / P)`` below it, ``2 (P-1)`` (ring) from it on.
         """
         p = world_size
+        if op == RING:
+            return float(2 * (p - 1)) if p > 1 else 0.0
         if op == "allreduce" and self.ring_from is not None and p > 1:
             n = message_bytes / (2.0 * (p - 1) / p)
             return float(2 * (p - 1)) if n >= self.ring_from else math.ceil(_log2(p))
@@ -132,9 +184,15 @@ def _log2(p: int) -> float:
     return math.log2(p) if p > 1 else 0.0
 
 
+#: The op under which a profile lists the bytes of an allreduce run as a pipelined ring of
+#: point-to-point messages (``reduce_ops.ring_reduce_once``), priced at the p2p probe.
+RING = "ring"
+
 #: Latency rounds per call of each Communicator operation (Ok-Topk Table 1; a
-#: point-to-point call is one message, counted once on each side, hence 1/2).
+#: point-to-point call is one message, counted once on each side, hence 1/2; the
+#: pipelined ring: 2 (P-1) steps, Patarasuk & Yuan).
 ROUNDS: dict[str, Callable[[int], float]] = {
+    RING: lambda p: float(2 * (p - 1)),
     "allreduce": lambda p: 2 * _log2(p),
     "allgather": _log2,
     "allgatherv": _log2,
@@ -179,20 +237,27 @@ class StepProfile:
     #: per operation, the bytes (max of sent, received) of each call in one step, in call order,
     #: where recorded; otherwise every call is taken to move the op's mean
     call_bytes: dict[str, list[float]] = field(default_factory=dict)
+    #: per operation, wall seconds of the method's own work run between that op's progress
+    #: calls while its bytes are on the wire (the pipelined ring's quantize/reduce/dequantize)
+    overlap_s: dict[str, float] = field(default_factory=dict)
 
     def calls_of(self, op: str) -> tuple[list[float], float]:
         """(bytes of each ``op`` call in one step, how many calls each entry stands for).
 
         Recorded sizes stand for one call each; otherwise ``ceil(calls)`` equal
         parts of the op's bytes, each weighted so the latency counts ``calls``
-        (a mean over steps may be fractional) calls.
+        (a mean over steps may be fractional) calls. Point-to-point calls that
+        both send and receive pair up: a send and a receive of one exchange
+        overlap on the full-duplex link, so ``calls / 2`` exchanges of
+        ``max(sent, received) / (calls / 2)`` bytes (latency still per call).
         """
         o = self.ops[op]
         recorded = self.call_bytes.get(op)
         if recorded:
             return list(recorded), 1.0
         total = max(o.sent, o.received)
-        n = max(math.ceil(o.calls - 1e-9), 1 if total > 0 else 0)
+        calls = o.calls / 2.0 if op == "p2p" and o.sent > 0 and o.received > 0 else o.calls
+        n = max(math.ceil(calls - 1e-9), 1 if total > 0 else 0)
         return ([total / n] * n, o.calls / n) if n else ([], 0.0)
 
     @property
@@ -236,7 +301,8 @@ class Prediction:
 
 #: Operations without a probe of their own take the measured constants of the closest one.
 PROBE_OF: dict[str, str] = {"allgather": "allgatherv", "allgather_object": "allgatherv",
-                            "alltoall": "alltoallv", "broadcast": "p2p", "barrier": "allreduce"}
+                            "alltoall": "alltoallv", "broadcast": "p2p", "barrier": "allreduce",
+                            RING: "p2p"}
 
 
 def _per_op(table: Mapping[str, float], op: str, default: float) -> float:
@@ -251,13 +317,21 @@ def predict(profile: StepProfile, network: Network, world_size: int | None = Non
     Per call ``i`` of an operation moving ``L_i`` bytes per rank (the volume
     model's ``max(sent, received)``):
 
-        latency_i  = max(rounds(op, P, L_i) * alpha_op, call_latency), or with a round latency
-                     rounds(op, P, L_i) * max(alpha_op, round_latency)
+        latency_i  = rounds(op, P, L_i) * alpha_op + w(g)                with a wait curve,
+                     rounds(op, P, L_i) * max(alpha_op, round_latency)  with a round floor,
+                     max(rounds(op, P, L_i) * alpha_op, call_latency)   otherwise
         transfer_i = max(0, L_i - tokens_i) / (eta_op * B)
+        T_op       = max(0, sum_i (latency_i + transfer_i) - W_op)
 
+    ``alpha_op``/``eta_op``: the op's own probe, else :data:`PROBE_OF`'s
+    (the pipelined ring, op :data:`RING`, takes the point-to-point probe's).
+    ``w(g)``: :meth:`Network.call_wait` at ``g``, the CPU work between two
+    calls (the profile's compression time spread evenly over its calls).
     ``tokens_i = B`` (no bucket) on a network without ``burst_bytes``; with one,
-    the bucket starts full and refills at ``B`` over the CPU work between calls
-    (the profile's compression time spread evenly over its calls).
+    the bucket starts full and refills at ``B`` during those ``g`` seconds.
+    ``W_op``: :attr:`StepProfile.overlap_s`, the method's work that runs
+    while the op's bytes are on the wire (0 for MPI's own collectives); what it
+    covers comes off the transfer first, then off the latency.
     """
     prof = profile.scaled(world_size or profile.world_size)
     p = prof.world_size
@@ -265,25 +339,35 @@ def predict(profile: StepProfile, network: Network, world_size: int | None = Non
     per_op = {name: prof.calls_of(name) for name in prof.ops}
     n_calls = sum(len(v[0]) for v in per_op.values())
     gap = prof.compress_s / n_calls if n_calls else 0.0
+    wait = network.call_wait(gap)
     bucket = network.burst_bytes
     tokens = bucket
     latency = transfer = 0.0
     for name, (sizes, weight) in per_op.items():
         alpha = _per_op(network.op_alpha, name, network.alpha)
         eta = _per_op(network.efficiency, name, 1.0)
+        op_latency = op_transfer = 0.0
         for nbytes in sizes:
             rounds = network.rounds(name, p, nbytes)
-            if network.round_latency > 0:
-                latency += weight * rounds * max(alpha, network.round_latency)
+            if network.call_wait_curve:
+                op_latency += weight * (rounds * alpha + wait)
+            elif network.round_latency > 0:
+                op_latency += weight * rounds * max(alpha, network.round_latency)
             else:
-                latency += weight * max(rounds * alpha, network.call_latency)
+                op_latency += weight * max(rounds * alpha, network.call_latency)
             if bucket > 0:
                 tokens = min(bucket, tokens + rate * gap)
                 waiting = max(0.0, nbytes - tokens)
                 tokens = max(0.0, tokens - nbytes)
             else:
                 waiting = nbytes
-            transfer += waiting / (eta * rate)
+            op_transfer += waiting / (eta * rate)
+        hidden = prof.overlap_s.get(name, 0.0)
+        cut = min(hidden, op_transfer)
+        op_transfer -= cut
+        op_latency -= min(hidden - cut, op_latency)
+        latency += op_latency
+        transfer += op_transfer
     return Prediction(prof.compute_s, prof.compress_s, latency, transfer)
 
 
@@ -316,11 +400,13 @@ def break_even_bandwidth(profile: StepProfile, dense: StepProfile, network: Netw
 
 def fit_link(nominal_bandwidth: float, probes: Mapping[str, tuple[float, float, float, float]],
              call_latency: float = 0.0, *, ring_from: float | None = None, burst_bytes: float = 0.0,
-             small_bytes: float = 8.0) -> Network:
+             small_bytes: float = 8.0,
+             call_latency_curve: Sequence[tuple[float, float]] = ()) -> Network:
     """A :class:`Network` fitted to measurements on a testbed, per operation.
 
     ``probes[op] = (small_seconds, large_seconds, large_bytes, world_size)``:
-    one call's time with a tiny message (-> that op's alpha per round) and with
+    one call's time with a tiny message (-> that op's alpha per round; ``p2p``
+    is a ring shift, one send and one receive per rank: one round) and with
     ``large_bytes`` moved per rank (-> its efficiency eta against the nominal
     bandwidth: ``eta = (large_bytes - burst) / (B (t_large - t_small))``, capped
     at 1). The link rate itself stays the nominal one, so a preset's
@@ -332,20 +418,34 @@ def fit_link(nominal_bandwidth: float, probes: Mapping[str, tuple[float, float, 
     ``call_latency`` becomes a per-round floor (``round_latency`` = it divided by
     the tiny allreduce's rounds); without, Table 1's rounds and a per-call
     floor, as the textbook model has it. ``burst_bytes``: the links' token bucket.
+    ``call_latency_curve``: ``(CPU work between calls, mean time of one tiny
+    allreduce)`` pairs from the interleaved probe at several spacings; each
+    less the tiny allreduce's own rounds x alpha (the allreduce probe's) is the
+    wait for peers per call, ``Network.call_wait_curve``, which :func:`predict`
+    reads at each method's own spacing of calls.
     """
     shape = Network("", 0.0, nominal_bandwidth, ring_from=ring_from)
     op_alpha, eff = {}, {}
     for op, (t_small, t_large, nbytes, p) in probes.items():
-        rounds = (shape.rounds(op, int(p), small_bytes) if ring_from is not None
-                  else ROUNDS.get(op, _log2)(int(p))) or 1.0
+        # the p2p probe is a ring shift: every rank sends one message and receives one, i.e. two
+        # p2p calls of half a round each -- one round (before, it was taken as half a round)
+        rounds = 1.0 if op == "p2p" else (shape.rounds(op, int(p), small_bytes) if ring_from is not None
+                                          else ROUNDS.get(op, _log2)(int(p))) or 1.0
         op_alpha[op] = t_small / rounds
         ideal = max(nbytes - burst_bytes, 0.0) / (nominal_bandwidth / 8.0)
         eff[op] = min(1.0, ideal / max(t_large - t_small, 1e-12))
     alpha = op_alpha.get("allreduce", min(op_alpha.values()) if op_alpha else 0.0)
     round_latency = 0.0
-    if ring_from is not None and call_latency > 0 and probes:
+    curve: tuple[tuple[float, float], ...] = ()
+    if probes:
         p = int(next(iter(probes.values()))[3])
-        round_latency = call_latency / max(shape.rounds("allreduce", p, small_bytes), 1.0)
+        tiny_rounds = (shape.rounds("allreduce", p, small_bytes) if ring_from is not None
+                       else ROUNDS["allreduce"](p)) or 1.0
+        if ring_from is not None and call_latency > 0:
+            round_latency = call_latency / tiny_rounds
+        own = tiny_rounds * op_alpha.get("allreduce", 0.0)
+        curve = tuple(sorted((float(w), max(float(t) - own, 0.0)) for w, t in call_latency_curve))
     return Network("testbed (fitted)", alpha, nominal_bandwidth, "fitted per operation on the emulated cluster",
                    efficiency=eff, op_alpha=op_alpha, call_latency=call_latency if round_latency == 0 else 0.0,
-                   round_latency=round_latency, burst_bytes=burst_bytes, ring_from=ring_from)
+                   round_latency=round_latency, burst_bytes=burst_bytes, ring_from=ring_from,
+                   call_wait_curve=curve)

@@ -13,7 +13,10 @@ kind its alpha and carried rate, the links' token bucket, a per-round latency
 floor measured between bursts of CPU work, the rounds of the algorithm the
 cluster's MPI runs), predicts every method's communication time from the size
 of each of its calls (recorded on shared memory by :mod:`.e2e_calls`, checked
-against the measured bytes and calls), and writes
+against the measured bytes and calls) and the transport that carried them (an
+allreduce a method runs as its own pipelined point-to-point ring is priced at
+the point-to-point probe, less the method's work that ran while it was on the
+wire; see :func:`profile_of`), and writes
 ``<out>/<name>.md``, ``.json`` and ``.png`` (speedup over dense against
 bandwidth).
 
@@ -36,7 +39,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ..cost_model import PROBE_OF, OpCount, StepProfile, break_even_bandwidth, fit_link, predict
+from ..cost_model import PROBE_OF, RING, OpCount, StepProfile, break_even_bandwidth, fit_link, predict
 
 DEFAULT_BANDWIDTHS = ("100mbit", "1gbit", "10gbit")
 SHM = "shm"
@@ -45,6 +48,8 @@ TOLERANCE = 0.25
 #: The emulated cluster's MPI runs allreduce by recursive doubling below 64 KiB and by the ring
 #: from 64 KiB on (:data:`horovod_compress.cluster.launch.ALLREDUCE_RULES`): the model counts those rounds.
 RING_FROM = 65536
+#: The probes in the link table, in order (a run that lacks one shows '-').
+LINK_COLUMNS = ("p2p", "allreduce", "allgatherv", "allgather", "alltoallv", "broadcast")
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -247,8 +252,26 @@ def profile_of(label: str, m: dict[str, Any], p: int,
                calls: dict[str, list[float]] | None = None) -> StepProfile:
     """The method's step as the model sees it: CPU time of compute and compression (what they cost
     on a rank with a core of its own), bytes and calls per operation, and where ``calls`` (recorded by
-    :mod:`.e2e_calls`) agrees with the measured op -- as many calls, bytes within 10% -- each call's size."""
+    :mod:`.e2e_calls`) agrees with the measured op -- as many calls, bytes within 10% -- each call's size.
+
+    Bytes the worker saw cross the links on another transport than the op's own (``m["transport"]``:
+    an allreduce run as the pipelined point-to-point ring) move from that op to the transport's op
+    (:data:`~horovod_compress.cost_model.RING`), with the wall time of the method's work that ran
+    while they were on the wire (``overlap_s``); the byte total is unchanged."""
     ops = {op: OpCount(v["calls"], v["sent"], v["received"]) for op, v in m["ops"].items()}
+    overlap: dict[str, float] = {}
+    for name, t in (m.get("transport") or {}).items():
+        base = ops.get(t.get("of", ""))
+        if base is None or t["calls"] <= 0:
+            continue
+        rest = OpCount(max(base.calls - t["calls"], 0.0), max(base.sent - t["sent"], 0.0),
+                       max(base.received - t["received"], 0.0))
+        if rest.calls > 1e-9 or max(rest.sent, rest.received) > 1.0:
+            ops[t["of"]] = rest
+        else:
+            del ops[t["of"]]
+        ops[name] = OpCount(t["calls"], t["sent"], t["received"])
+        overlap[name] = float(t.get("work_s", 0.0))
     sizes = {}
     for op, v in (calls or {}).items():
         o = ops.get(op)
@@ -257,7 +280,8 @@ def profile_of(label: str, m: dict[str, Any], p: int,
         total = max(o.sent, o.received)
         if abs(sum(v) - total) <= 0.1 * max(total, 1.0):
             sizes[op] = [x * total / sum(v) if sum(v) > 0 else x for x in v]   # rescaled to the measured total
-    return StepProfile(label.split("(")[0], p, m["compute_cpu_s"], m["compress_cpu_s"], ops, call_bytes=sizes)
+    return StepProfile(label.split("(")[0], p, m["compute_cpu_s"], m["compress_cpu_s"], ops, call_bytes=sizes,
+                       overlap_s=overlap)
 
 
 def _label(spec: str) -> str:
@@ -295,15 +319,21 @@ def analyse(runs: list[dict[str, Any]], args: argparse.Namespace | None = None) 
         burst = 0.0 if r["bandwidth"] == SHM else float(
             r.get("burst_bytes") or ClusterSpec(bandwidth=r["bandwidth"]).burst_bytes())
         probes = {op: v for op, v in r["probe"].items() if "large_s" in v}
+        inter = r["probe"].get("interleaved", {})
+        # a step's comm time is a sum over calls: the mean per call at each probed spacing of calls
+        # (runs before the curve was recorded: the median at the one spacing they probed)
+        curve = [(c["work_s"], c["call_mean_s"]) for c in inter.get("curve", [])]
         fitted = fit_link(nominal, {op: (v["small_s"], v["large_s"], v["large_bytes"], p)
                                     for op, v in probes.items()},
-                          call_latency=r["probe"].get("interleaved", {}).get("call_s", 0.0),
-                          ring_from=None if r["bandwidth"] == SHM else RING_FROM, burst_bytes=burst)
+                          call_latency=inter.get("call_mean_s", inter.get("call_s", 0.0)),
+                          ring_from=None if r["bandwidth"] == SHM else RING_FROM, burst_bytes=burst,
+                          call_latency_curve=curve)
         r["link"] = {op: {"alpha_us": 1e6 * fitted.op_alpha[op], "efficiency": fitted.efficiency[op],
                           "carried_gbit": v["large_bytes"] * 8 / v["large_s"] / 1e9}
                      for op, v in probes.items()}
-        r["call_latency_us"] = 1e6 * r["probe"].get("interleaved", {}).get("call_s", 0.0)
+        r["call_latency_us"] = 1e6 * inter.get("call_mean_s", inter.get("call_s", 0.0))
         r["round_latency_us"] = 1e6 * fitted.round_latency
+        r["call_wait_curve_us"] = [[1e6 * w, 1e6 * f] for w, f in fitted.call_wait_curve]
         r["burst_bytes"] = burst
         run_calls = all_calls.get(r.get("model", ""), {}).get(str(p), {})
         dense = r["methods"].get("none")
@@ -328,7 +358,10 @@ def analyse(runs: list[dict[str, Any]], args: argparse.Namespace | None = None) 
             # waiting for a peer's compute before the call is spent there (in compress), not in comm.
             m["predicted"] = {"comm_s": pred.comm_s, "alpha_beta_s": pred.comm_s, "wait_s": wait,
                               "latency_s": pred.latency_s, "transfer_s": pred.transfer_s, "step_s": step,
-                              "core_share": share,
+                              "core_share": share, "ops": sorted(prof.ops),
+                              "overlap_s": sum(prof.overlap_s.values()),
+                              "call_wait_us": 1e6 * fitted.call_wait(
+                                  prof.compress_s / max(sum(len(prof.calls_of(o)[0]) for o in prof.ops), 1)),
                               "call_sizes": "recorded" if prof.call_bytes else "mean per call"}
             m["model_error"] = (m["predicted"]["comm_s"] - m["comm_s"]) / m["comm_s"] if m["comm_s"] > 0 else 0.0
             m["step_model_error"] = (step - m["step_s"]) / m["step_s"]
@@ -400,15 +433,17 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
              f"(they are dense steps). Each figure is the median of the measured steps; speedup = dense step "
              f"time / method step time, measured in the same run.", ""]
     lines += ["## What the links carry", "",
-              "A 16 MiB message per collective and a ring shift of 16 MiB point to point, against the nominal rate "
-              "(effective Gbit/s = bytes moved per rank x 8 / time); alpha = small-message time per latency round.", "",
-              "| P | link | p2p Gbit/s | allreduce Gbit/s | allgatherv Gbit/s | alltoallv Gbit/s | alpha allreduce (us) |",
-              "|---|---|---:|---:|---:|---:|---:|"]
+              "A 16 MiB message per collective and a ring shift of 16 MiB point to point (also the transport of "
+              "the methods' pipelined ring), each after a burst of CPU work that leaves the links idle as a step's "
+              "compute does (runs that record it), against the nominal rate (effective Gbit/s = bytes moved per "
+              "rank x 8 / time); alpha = small-message time per latency round; '-': not probed in that run.", "",
+              "| P | link | " + " | ".join(f"{op} Gbit/s" for op in LINK_COLUMNS) + " | alpha allreduce (us) |",
+              "|---|---|" + "---:|" * (len(LINK_COLUMNS) + 1)]
     for r in runs:
         link = r["link"]
-        lines.append(f"| {r['world_size']} | {_fmt_bw(r['bandwidth'])} | {link['p2p']['carried_gbit']:.2f} | "
-                     f"{link['allreduce']['carried_gbit']:.2f} | {link['allgatherv']['carried_gbit']:.2f} | "
-                     f"{link['alltoallv']['carried_gbit']:.2f} | {link['allreduce']['alpha_us']:.0f} |")
+        cells = [f"{link[op]['carried_gbit']:.2f}" if op in link else "-" for op in LINK_COLUMNS]
+        lines.append(f"| {r['world_size']} | {_fmt_bw(r['bandwidth'])} | " + " | ".join(cells) +
+                     f" | {link['allreduce']['alpha_us']:.0f} |")
     bound = [r for r in runs if r["bandwidth"] != SHM and r["world_size"] > 1 and r.get("cores", 2) == 1]
     if bound:
         lines += ["", "**Ranks bound to one core:** " + ", ".join(
@@ -453,11 +488,12 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
                   f"Seconds per step (mean over ranks of the median step). compress = the method's own "
                   f"computation, shown also against a memcpy of the gradient ({r['memcpy_s'] * 1e3:.1f} ms); "
                   f"comm = time inside MPI (including waiting for other ranks). Predicted comm: the alpha-beta "
-                  f"model fitted to this run's probes, from each method's bytes per call -- latency = rounds of "
-                  f"the algorithm MPI runs x max(alpha, {r.get('round_latency_us', 0):.0f} us per round measured "
-                  f"between bursts of CPU work), transfer = bytes beyond the links' "
+                  f"model fitted to this run's probes, from each method's bytes per call -- latency = "
+                  f"{_latency_text(r)}, transfer = bytes beyond the links' "
                   f"{r.get('burst_bytes', 0) / 1024:.0f} KiB token bucket / the rate the probe of that collective "
-                  f"carried. Predicted step = CPU time x the measured core share + predicted comm + wait (the time "
+                  f"carried (an allreduce a method runs as its own pipelined ring: the point-to-point probe's, less "
+                  f"the method's work that ran while it was on the wire). Predicted step = CPU time x the "
+                  f"measured core share + predicted comm + wait (the time "
                   f"a rank waits for the slowest peer's compute and compression, measured per step).", "",
                   "| method | step | speedup | compute | compress | compress / memcpy | comm | predicted comm: latency + transfer | comm model error | predicted step (error) | MB/step | break-even Gbit/s |",
                   "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -495,6 +531,10 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
             for r, label, m in bad:
                 pr = m["predicted"]
                 main = max(m["ops"], key=lambda op: max(m["ops"][op]["sent"], m["ops"][op]["received"]))
+                ring = (m.get("transport") or {}).get(RING, {})
+                if ring.get("of") == main and 2 * max(ring["sent"], ring["received"]) > max(
+                        m["ops"][main]["sent"], m["ops"][main]["received"]):
+                    main = RING                         # mostly carried by the pipelined p2p ring
                 probe = r["link"].get(main) or r["link"].get(PROBE_OF.get(main, ""), {})
                 left = m["comm_s"] - pr.get("latency_s", 0.0)
                 beyond = pr.get("transfer_s", 0.0) * probe.get("efficiency", 1.0) * _nominal_gbit(r["bandwidth"]) * 1e9
@@ -511,6 +551,18 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
     if plot:
         lines += ["", f"![speedup against bandwidth]({plot})"]
     return "\n".join(lines + failures) + "\n"
+
+
+def _latency_text(r: dict[str, Any]) -> str:
+    """The latency term of run ``r`` in words: rounds x alpha plus the measured wait per call, or
+    (runs before the wait curve was recorded) rounds x max(alpha, one per-round floor)."""
+    curve = r.get("call_wait_curve_us") or []
+    if not curve:
+        return (f"rounds of the algorithm MPI runs x max(alpha, {r.get('round_latency_us', 0):.0f} us per round "
+                f"measured between bursts of CPU work)")
+    return ("rounds of the algorithm MPI runs x alpha + the mean wait for peers per call measured between "
+            "bursts of CPU work (" + ", ".join(f"{f:.0f} us after {w / 1e3:.2g} ms" for w, f in curve) +
+            " of CPU work; read at each method's own spacing of calls)")
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

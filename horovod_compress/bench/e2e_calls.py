@@ -8,7 +8,9 @@ small message through at wire speed (see :mod:`horovod_compress.cost_model`).
 ``hvdc bench e2e`` records only each operation's totals, so this module runs
 one training step per method on shared memory -- the byte counts are those of
 the Communicator's volume model and do not depend on the link -- and logs every
-call. Nothing here is timed.
+call. Nothing here is timed. An allreduce that a method runs as the pipelined
+point-to-point ring of ``reduce_ops`` is logged under the op ``ring``
+(:class:`RingTransport`), the transport the model prices it at.
 
     mpirun -np 4 python -m horovod_compress.bench.e2e_calls --model transformer --json out.json
 
@@ -22,8 +24,93 @@ import json
 import os
 import subprocess
 import sys
+import contextlib
+import inspect
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
+
+#: The op name under which the model prices an allreduce run as a pipelined p2p ring
+#: (:data:`horovod_compress.cost_model.RING`).
+RING_OP = "ring"
+#: The pipelined rings of ``mpi_collectives.reduce_ops``: allreduces accounted as such whose bytes
+#: cross the links as eager point-to-point segments (Global-QSGD's 8-bit codes, the 16-bit casts).
+RING_FUNCTIONS = ("ring_reduce_once", "ring_reduce_once_items")
+_CALLBACKS = ("produce", "reduce", "consume")
+
+
+class RingTransport:
+    """Which allreduce bytes the pipelined point-to-point ring carried, and the work it overlapped.
+
+    While :meth:`installed`, the ring functions of ``reduce_ops`` (the methods
+    import them at call time) are wrapped: each call adds its calls and bytes
+    (the allreduce accounting it does itself, unchanged) to :attr:`calls`,
+    :attr:`sent`, :attr:`received`, and the wall time of the caller's
+    ``produce``/``reduce``/``consume`` callbacks -- the work the ring runs
+    between its progress calls while segments are on the wire -- to
+    :attr:`work_s` (and its thread CPU time to :attr:`work_cpu_s`). :attr:`inside` is
+    true during a ring call (for a per-call log).
+    Byte totals per op are not changed: the model splits them
+    (``hvdc bench e2e``'s ``profile_of``).
+    """
+
+    def __init__(self) -> None:
+        self.inside = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.calls, self.sent, self.received, self.work_s, self.work_cpu_s = 0, 0.0, 0.0, 0.0, 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"calls": self.calls, "sent": self.sent, "received": self.received, "work_s": self.work_s,
+                "work_cpu_s": self.work_cpu_s}
+
+    def _timed(self, fn: Callable[..., Any] | None) -> Callable[..., Any] | None:
+        if fn is None:
+            return None
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.work_s += time.perf_counter() - t0
+                self.work_cpu_s += time.thread_time() - c0
+        return timed
+
+    def _wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        sig = inspect.signature(fn)
+
+        def wrapped(comm: Any, *args: Any, **kwargs: Any) -> Any:
+            bound = sig.bind(comm, *args, **kwargs)
+            for name in _CALLBACKS:
+                if name in bound.arguments:
+                    bound.arguments[name] = self._timed(bound.arguments[name])
+            before = comm.stats()["by_op"].get("allreduce", {})
+            self.inside += 1
+            try:
+                return fn(*bound.args, **bound.kwargs)
+            finally:
+                self.inside -= 1
+                after = comm.stats()["by_op"].get("allreduce", {})
+                self.calls += after.get("calls", 0) - before.get("calls", 0)
+                self.sent += after.get("sent", 0.0) - before.get("sent", 0.0)
+                self.received += after.get("received", 0.0) - before.get("received", 0.0)
+        wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
+        return wrapped
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator["RingTransport"]:
+        """Wrap the ring functions for the enclosed code (restored after)."""
+        from ..mpi_collectives import reduce_ops
+        saved = {n: getattr(reduce_ops, n) for n in RING_FUNCTIONS if hasattr(reduce_ops, n)}
+        for n, fn in saved.items():
+            setattr(reduce_ops, n, self._wrap(fn))
+        try:
+            yield self
+        finally:
+            for n, fn in saved.items():
+                setattr(reduce_ops, n, fn)
 
 
 def call_sizes(methods: list[str], model_name: str, comm: Any, steps: int = 2) -> dict[str, dict[str, list[float]]]:
@@ -35,12 +122,16 @@ def call_sizes(methods: list[str], model_name: str, comm: Any, steps: int = 2) -
     from .e2e_models import build_model, synthetic_batch
     log: list[tuple[str, float]] = []
     inner = comm._account
+    ring = RingTransport()
 
     def account(op: str, sent: float, received: float) -> None:
-        log.append((op, max(sent, received)))
+        # an allreduce the pipelined ring carried is logged under the ring's op (the model's RING)
+        log.append((RING_OP if op == "allreduce" and ring.inside else op, max(sent, received)))
         inner(op, sent, received)
     comm._account = account
     out: dict[str, dict[str, list[float]]] = {}
+    stack = contextlib.ExitStack()
+    stack.enter_context(ring.installed())
     try:
         for spec in methods:
             name, _, raw = spec.partition(":")
@@ -67,6 +158,7 @@ def call_sizes(methods: list[str], model_name: str, comm: Any, steps: int = 2) -
             out[label] = calls
     finally:
         comm._account = inner
+        stack.close()
     return out
 
 

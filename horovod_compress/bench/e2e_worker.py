@@ -11,7 +11,15 @@ reduced inside the backward pass, in the hooks, so
     exchange (method.allreduce, wall)  = compression + MPI time
     MPI time (Communicator.timings)    = communication (incl. waiting)
 
-and compute = step - exchange. The same parts are also taken in thread CPU
+and compute = step - exchange. An allreduce a method runs as the pipelined
+point-to-point ring of ``reduce_ops`` is counted as an allreduce, as always;
+the worker also records its share (``transport.ring``: calls, bytes, and the
+wall and CPU time of the method's work the ring ran between its progress
+calls), so the model can price those bytes at the point-to-point probe's rate.
+The link probes time each large message after a burst of CPU work that leaves
+the links idle, as a step's exchange meets them, and the interleaved probe
+times tiny allreduces between CPU bursts of several lengths (mean, median,
+90th percentile per call). The same parts are also taken in thread CPU
 time (``time.thread_time``): with more ranks than cores a rank's wall time
 includes waiting for the CPU, and its MPI time waiting for peers that wait
 for the CPU; CPU time is what the work itself costs. All ranks start each step together (a
@@ -28,22 +36,41 @@ from typing import Any
 
 import numpy as np
 
+from .e2e_calls import RING_OP, RingTransport
 from .e2e_models import build_model, synthetic_batch
 
 PROBE_SMALL = 8
 PROBE_LARGE = 16 * 1024 * 1024
+#: CPU seconds of work before each large probe call: the links sit idle as during a step's
+#: forward and backward pass, so the probe meets them as a step's exchange does
+PROBE_IDLE_CPU_S = 0.05
+#: CPU seconds of work between the interleaved probe's tiny allreduces: from below the methods'
+#: spacing of calls (PowerSGD's 72 calls, ~1.5 ms apart) to above it (one call per step)
+INTERLEAVED_WORK_S = (5e-5, 5e-4, 2e-3, 8e-3)
 
 
-def _timed(comm: Any, fn: Any, repeats: int) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` calls, all ranks starting together (max over ranks)."""
+def _cpu_burst(seconds: float, data: np.ndarray) -> float:
+    """Sort chunks of ``data`` until this thread has used ``seconds`` of CPU; returns the CPU time used."""
+    c0 = time.thread_time()
+    while time.thread_time() - c0 < seconds:
+        float(np.sort(data).sum())
+    return time.thread_time() - c0
+
+
+def _timed(comm: Any, fn: Any, repeats: int, before: Any = None) -> tuple[float, list[float]]:
+    """Wall time of ``fn()``, all ranks starting together (max over ranks): (median, every repeat).
+
+    ``before()`` runs before each repeat's barrier (e.g. a burst of CPU work that leaves the links idle)."""
     times = []
     for _ in range(repeats):
+        if before is not None:
+            before()
         comm.barrier()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    local = float(np.median(times))
-    return float(comm.allreduce(np.array([local]), "max")[0])
+    slowest = comm.allreduce(np.array(times), "max")
+    return float(np.median(slowest)), [float(t) for t in slowest]
 
 
 def probe_links(comm: Any, repeats: int) -> dict[str, Any]:
@@ -60,51 +87,66 @@ def probe_links(comm: Any, repeats: int) -> dict[str, Any]:
         st = comm.stats()
         return max(st["sent"], st["received"])
 
-    cases = {
-        "allreduce": (lambda: comm.allreduce(small), lambda: comm.allreduce(large)),
-        "allgatherv": (lambda: comm.allgatherv(small), lambda: comm.allgatherv(part)),
-        "alltoallv": (lambda: comm.alltoallv([small] * p),
-                      lambda: comm.alltoallv([part] * p)),
-    }
-    for op, (f_small, f_large) in cases.items():
-        nbytes = volume(f_large)
-        t_small = _timed(comm, f_small, repeats * 3)
-        t_large = _timed(comm, f_large, repeats)
-        out[op] = {"small_s": t_small, "large_s": t_large, "large_bytes": nbytes}
-    # point to point: a ring shift of the large buffer (every link busy both ways)
+    work = np.random.default_rng(rank).standard_normal(50_000).astype(np.float32)
+
+    def idle() -> None:
+        _cpu_burst(PROBE_IDLE_CPU_S, work)
     dest, src = (rank + 1) % p, (rank - 1) % p
 
     def shift(buf: np.ndarray) -> None:
         req = comm.isend(buf, dest, tag=7)
         comm.recv(src, tag=7, dtype=np.float32)
         req.wait()
-    t_small = _timed(comm, lambda: shift(small), repeats * 3)
-    t_large = _timed(comm, lambda: shift(large), repeats)
-    out["p2p"] = {"small_s": t_small, "large_s": t_large, "large_bytes": float(large.nbytes)}
+    # each collective the methods call (allgather and broadcast have algorithms of their own in
+    # Open MPI, so they get their own probe), and point to point: a ring shift of the large
+    # buffer (every link busy both ways), which is also the pipelined ring's transport
+    cases = {
+        "allreduce": (lambda: comm.allreduce(small), lambda: comm.allreduce(large)),
+        "allgatherv": (lambda: comm.allgatherv(small), lambda: comm.allgatherv(part)),
+        "allgather": (lambda: comm.allgather(small), lambda: comm.allgather(part)),
+        "alltoallv": (lambda: comm.alltoallv([small] * p),
+                      lambda: comm.alltoallv([part] * p)),
+        "broadcast": (lambda: comm.broadcast(small), lambda: comm.broadcast(large)),
+        "p2p": (lambda: shift(small), lambda: shift(large)),
+    }
+    for op, (f_small, f_large) in cases.items():
+        nbytes = volume(f_large) if op != "p2p" else float(large.nbytes)
+        t_small, _ = _timed(comm, f_small, repeats * 3)
+        t_large, samples = _timed(comm, f_large, repeats, before=idle)
+        out[op] = {"small_s": t_small, "large_s": t_large, "large_bytes": nbytes, "large_samples_s": samples,
+                   "idle_cpu_s": PROBE_IDLE_CPU_S}
     out["interleaved"] = probe_interleaved(comm, repeats * 10)
     comm.reset_stats()
     return out
 
 
-def probe_interleaved(comm: Any, iterations: int, work_n: int = 200_000) -> dict[str, float]:
-    """Small allreduces between short bursts of CPU work, as a training step issues them.
+def probe_interleaved(comm: Any, iterations: int,
+                      work_s: tuple[float, ...] = INTERLEAVED_WORK_S) -> dict[str, Any]:
+    """Tiny allreduces between bursts of CPU work, as a training step issues its calls.
 
-    Returns the mean over ranks of the median time one such allreduce takes
-    (``call_s``): with more ranks than cores it is dominated by the time the
-    peers need to be scheduled again, not by the wire, and the model charges
-    it per collective call on the testbed.
+    For each CPU work length in ``work_s`` (seconds of this thread's CPU, so
+    the same work whatever the core share): the mean over ranks of the mean,
+    median and 90th percentile of the time one such allreduce takes. With more
+    ranks than cores it is dominated by waiting for peers the scheduler has
+    not run yet, not by the wire; a step's communication time is a sum over
+    calls, so the model takes the mean at the method's own spacing of calls.
+    ``call_s`` (median at the shortest work) is kept for earlier readers.
     """
-    data = np.random.default_rng(comm.rank).standard_normal(work_n).astype(np.float32)
+    data = np.random.default_rng(comm.rank).standard_normal(12_500).astype(np.float32)
     small = np.zeros(2, np.float32)
-    calls = []
-    comm.barrier()
-    for _ in range(iterations):
-        float(np.sort(data[: work_n // 4]).sum())        # ~1 ms of CPU work
-        t0 = time.perf_counter()
-        comm.allreduce(small)
-        calls.append(time.perf_counter() - t0)
-    local = float(np.median(calls))
-    return {"call_s": float(comm.allreduce(np.array([local]), "sum")[0]) / comm.size}
+    curve = []
+    for w in work_s:
+        calls, cpu = [], []
+        comm.barrier()
+        for _ in range(iterations):
+            cpu.append(_cpu_burst(w, data))
+            t0 = time.perf_counter()
+            comm.allreduce(small)
+            calls.append(time.perf_counter() - t0)
+        local = np.array([np.mean(calls), np.median(calls), np.percentile(calls, 90), np.mean(cpu)])
+        mean, median, p90, work = (comm.allreduce(local, "sum") / comm.size).tolist()
+        curve.append({"work_s": work, "call_mean_s": mean, "call_median_s": median, "call_p90_s": p90})
+    return {"call_s": curve[0]["call_median_s"], "call_mean_s": curve[0]["call_mean_s"], "curve": curve}
 
 
 def memcpy_seconds(n: int, repeats: int = 5) -> float:
@@ -156,12 +198,23 @@ def time_method(name: str, params: dict[str, Any], model_name: str, comm: Any, s
     opt = DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=method,
                                overlap=False, comm=comm)
     clock = _ExchangeClock(method)
+    ring = RingTransport()
     records = []
+    with ring.installed():
+        _steps(comm, model, model_name, opt, clock, ring, warm, steps, records)
+    opt.close()
+    return _summary(method, comm, records)
+
+
+def _steps(comm: Any, model: Any, model_name: str, opt: Any, clock: "_ExchangeClock", ring: RingTransport,
+           warm: int, steps: int, records: list[dict[str, Any]]) -> None:
+    """Run ``warm + steps`` training steps; append the measured ones' parts to ``records``."""
     for step in range(warm + steps):
         x, y = synthetic_batch(model_name, comm.rank, step)
         comm.barrier()
         comm.reset_stats()
         clock.reset()
+        ring.reset()
         t0, c0 = time.perf_counter(), time.thread_time()
         opt.zero_grad()
         loss = model.loss(x, y)
@@ -180,9 +233,12 @@ def time_method(name: str, params: dict[str, Any], model_name: str, comm: Any, s
                             "compute_cpu_s": cpu - clock.cpu,
                             "compress_cpu_s": max(clock.cpu - mpi_cpu, 0.0), "comm_cpu_s": mpi_cpu,
                             "sent": st["sent"], "received": st["received"],
-                            "ops": {k: v for k, v in st["by_op"].items()}})
-    opt.close()
-    # each part: the mean over ranks of the median over steps; the step: the slowest rank
+                            "ops": {k: v for k, v in st["by_op"].items()}, "ring": ring.as_dict()})
+
+
+def _summary(method: Any, comm: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each part: the mean over ranks of the median over steps; the step: the slowest rank; ops and
+    the pipelined ring's share (``transport``): rank 0's means over steps."""
     summary: dict[str, Any] = {"params": method.config()}
     for key in ("compute_s", "exchange_s", "comm_s", "compress_s", "compute_cpu_s", "compress_cpu_s",
                 "comm_cpu_s", "imbalance_s", "sent", "received"):
@@ -199,6 +255,13 @@ def time_method(name: str, params: dict[str, Any], model_name: str, comm: Any, s
             for k in acc:
                 acc[k] += v[k] / len(records)
     summary["ops"] = ops
+    # the allreduce bytes (already in ops) that crossed the links as the pipelined p2p ring, and the
+    # wall time of the method's work the ring ran between its progress calls (median step, mean over ranks)
+    ring = {k: float(np.mean([r["ring"][k] for r in records])) for k in ("calls", "sent", "received")}
+    local = np.array([np.median([r["ring"][k] for r in records]) for k in ("work_s", "work_cpu_s")])
+    ring["work_s"], ring["work_cpu_s"] = (comm.allreduce(local, "sum") / comm.size).tolist()
+    if ring["calls"] > 0:
+        summary["transport"] = {RING_OP: {"of": "allreduce", **ring}}
     return summary
 
 

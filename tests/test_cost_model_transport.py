@@ -1,0 +1,165 @@
+"""The alpha-beta model's transport-aware terms (horovod_compress/cost_model.py, hvdc bench e2e).
+
+Each term is physical -- latency rounds x alpha + bytes / the rate the
+transport that carried them reaches -- with its constants from the run's own
+probes; these tests pin each term on hand-computed cases.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from horovod_compress.bench.e2e import profile_of
+from horovod_compress.bench.e2e_calls import RING_OP, RingTransport
+from horovod_compress.cost_model import RING, Network, OpCount, StepProfile, fit_link, predict
+from horovod_compress.mpi_collectives.accounting import Accounting
+
+RATE = 1e9                      # 1 Gbit/s
+BPS = RATE / 8
+
+
+def _net(**kw: object) -> Network:
+    base = dict(efficiency={"allreduce": 0.6, "p2p": 0.9}, op_alpha={"allreduce": 1e-5, "p2p": 4e-5})
+    base.update(kw)
+    return Network("t", 1e-5, RATE, ring_from=65536, **base)   # type: ignore[arg-type]
+
+
+def test_ring_bytes_are_priced_at_the_p2p_rate_with_ring_rounds():
+    n = 11.56e6                               # Global-QSGD's 8-bit payload at P = 2 (volume 2N(P-1)/P = N)
+    as_allreduce = StepProfile("global_qsgd", 2, 0.1, 0.0, {"allreduce": OpCount(1, n, n)})
+    as_ring = StepProfile("global_qsgd", 2, 0.1, 0.0, {RING: OpCount(1, n, n)})
+    net = _net()
+    assert predict(as_allreduce, net).transfer_s == pytest.approx(n / (0.6 * BPS))
+    ring = predict(as_ring, net)
+    assert ring.transfer_s == pytest.approx(n / (0.9 * BPS))
+    # 2 (P - 1) rounds at the point-to-point alpha, whatever the size (a ring of eager segments)
+    assert ring.latency_s == pytest.approx(2 * 4e-5)
+    at4 = StepProfile("global_qsgd", 4, 0.1, 0.0, {RING: OpCount(1, n, n)})
+    assert predict(at4, net).latency_s == pytest.approx(6 * 4e-5)
+    # no p2p probe: the nominal rate (textbook); the bytes per step are the same either way
+    assert predict(as_ring, Network("t", 0.0, RATE)).transfer_s == pytest.approx(n / BPS)
+    assert as_ring.bytes_per_step == as_allreduce.bytes_per_step
+
+
+def test_work_on_the_ring_hides_the_wire():
+    n = 11.56e6
+    wire = n / (0.9 * BPS)                     # 0.103 s
+    prof = StepProfile("global_qsgd", 2, 0.1, 0.0, {RING: OpCount(1, n, n)}, overlap_s={RING: 0.04})
+    pr = predict(prof, _net())
+    assert pr.transfer_s == pytest.approx(wire - 0.04)
+    assert pr.latency_s == pytest.approx(2 * 4e-5)
+    # work longer than the wire: the rank never waits inside MPI for this op
+    long = StepProfile("global_qsgd", 2, 0.1, 0.0, {RING: OpCount(1, n, n)}, overlap_s={RING: 1.0})
+    assert predict(long, _net()).comm_s == 0.0
+    # overlap of one op does not touch another op's time
+    mixed = StepProfile("m", 2, 0.1, 0.0, {RING: OpCount(1, n, n), "allreduce": OpCount(1, 1e6, 1e6)},
+                        overlap_s={RING: 1.0})
+    assert predict(mixed, _net()).transfer_s == pytest.approx(1e6 / (0.6 * BPS))
+
+
+def test_profile_splits_the_ring_share_and_keeps_byte_totals():
+    n = 11556352.0
+    m = {"compute_cpu_s": 0.1, "compress_cpu_s": 0.05,
+         "ops": {"allreduce": {"calls": 2.0, "sent": n + 8, "received": n + 8}},
+         "transport": {RING_OP: {"of": "allreduce", "calls": 1.0, "sent": n, "received": n,
+                                 "work_s": 0.03, "work_cpu_s": 0.03}}}
+    prof = profile_of("global_qsgd", m, 2, {"allreduce": [8.0], RING_OP: [n]})
+    assert set(prof.ops) == {"allreduce", RING}
+    assert prof.ops["allreduce"].calls == 1 and prof.ops["allreduce"].sent == pytest.approx(8.0)
+    assert prof.ops[RING].sent == n and prof.overlap_s == {RING: 0.03}
+    assert prof.bytes_per_step == pytest.approx(n + 8)
+    assert prof.call_bytes == {"allreduce": [8.0], RING: [n]}
+    # all of an op carried by the ring: the op disappears from the profile
+    fp16 = {"compute_cpu_s": 0.1, "compress_cpu_s": 0.05,
+            "ops": {"allreduce": {"calls": 1.0, "sent": 2e7, "received": 2e7}},
+            "transport": {RING_OP: {"of": "allreduce", "calls": 1.0, "sent": 2e7, "received": 2e7,
+                                    "work_s": 0.02}}}
+    assert set(profile_of("fp16", fp16, 2).ops) == {RING}
+    # a run recorded before transports were: unchanged
+    old = {"compute_cpu_s": 0.1, "compress_cpu_s": 0.05, "ops": m["ops"]}
+    assert set(profile_of("global_qsgd", old, 2).ops) == {"allreduce"}
+
+
+def test_the_p2p_probe_is_one_round():
+    # a ring shift of 8 bytes (one send and one receive per rank) in 25 us: alpha_p2p = 25 us, so the
+    # pipelined ring's 2 (P - 1) steps at P = 2 cost 2 x 25 us and one p2p call (half a round) 12.5 us
+    net = fit_link(RATE, {"p2p": (25e-6, 0.15, 16 * 2**20, 2)}, ring_from=65536)
+    assert net.op_alpha["p2p"] == pytest.approx(25e-6)
+    ring = StepProfile("global_qsgd", 2, 0.1, 0.0, {RING: OpCount(1, 1e3, 1e3)})
+    assert predict(ring, net).latency_s == pytest.approx(2 * 25e-6)
+    one = StepProfile("gtopk", 2, 0.1, 0.0, {"p2p": OpCount(1, 1e3, 0.0)})
+    assert predict(one, net).latency_s == pytest.approx(12.5e-6)
+
+
+def test_a_send_and_a_receive_are_one_exchange_through_the_buckets():
+    b = 262144.0
+    net = Network("t", 0.0, 1e8, burst_bytes=b)
+    # Ok-Topk at P = 2: one isend and one recv of 0.7 MB each way, counted as two p2p calls
+    pair = StepProfile("oktopk", 2, 0.1, 0.0, {"p2p": OpCount(2, 7e5, 7e5)})
+    assert predict(pair, net).transfer_s == pytest.approx((7e5 - b) / 1.25e7)
+    # two sends (one direction): two messages, each through the (empty after the first) bucket
+    sends = StepProfile("gtopk", 2, 0.1, 0.0, {"p2p": OpCount(2, 7e5, 0.0)})
+    assert predict(sends, net).transfer_s == pytest.approx((7e5 - b) / 1.25e7)
+    # latency still counts every call (one message each, counted on both sides: 1/2 round)
+    lat = Network("t", 1e-4, 1e8)
+    assert predict(pair, lat).latency_s == pytest.approx(2 * 0.5 * 1e-4)
+
+
+def test_wait_for_peers_follows_the_spacing_of_calls():
+    curve = ((1e-4, 1e-4), (1e-3, 4e-4), (1e-2, 1e-3))
+    net = Network("t", 1e-5, RATE, ring_from=65536, round_latency=1e-4, call_wait_curve=curve)
+    assert net.call_wait(1e-5) == pytest.approx(1e-4)             # below the probed range
+    assert net.call_wait(1e-3) == pytest.approx(4e-4)
+    assert net.call_wait(math.sqrt(1e-3 * 1e-2)) == pytest.approx(7e-4)   # log-linear between
+    assert net.call_wait(1.0) == pytest.approx(1e-3)               # beyond it
+    # 10 tiny calls 1 ms of CPU work apart at P = 4: each 2 rounds x alpha + one wait (not one per round)
+    prof = StepProfile("powersgd", 4, 0.1, 0.01, {"allreduce": OpCount(10, 1e4, 1e4)})
+    assert predict(prof, net).latency_s == pytest.approx(10 * (2 * 1e-5 + 4e-4))
+    # a ring call (6 rounds at P = 4) waits for its peers once too
+    big = StepProfile("m", 4, 0.1, 0.001, {"allreduce": OpCount(1, 1.5e6, 1.5e6)})
+    assert predict(big, net).latency_s == pytest.approx(6 * 1e-5 + 4e-4)
+    # fit_link: the interleaved probe's mean per call less the tiny allreduce's own 2 rounds x alpha
+    probes = {"allreduce": (2e-5, 0.2, 2.4e7, 4)}                  # alpha = 1e-5 per round
+    fitted = fit_link(RATE, probes, 2e-4, ring_from=65536, call_latency_curve=[(1e-3, 8e-4), (1e-4, 2e-4)])
+    assert [w for w, _ in fitted.call_wait_curve] == [1e-4, 1e-3]
+    assert [t for _, t in fitted.call_wait_curve] == pytest.approx([1.8e-4, 7.8e-4])
+    # without a curve: the per-round floor, as before
+    old = fit_link(RATE, probes, 2e-4, ring_from=65536)
+    assert old.call_wait_curve == () and old.round_latency == pytest.approx(1e-4)
+    assert predict(prof, old).latency_s == pytest.approx(10 * 2 * 1e-4)
+
+
+class _Comm(Accounting):
+    def __init__(self) -> None:
+        self.rank, self.size = 0, 2
+        self._init_accounting()
+
+
+def test_ring_transport_records_bytes_and_overlapped_work(monkeypatch):
+    from horovod_compress.mpi_collectives import reduce_ops
+
+    def fake_ring(comm, nbytes, produce, own, reduce, consume=None, segment_bytes=61440, **kw):
+        produce(0, nbytes)
+        reduce(own, own, own, 0, nbytes)
+        if consume is not None:
+            consume(0, nbytes)
+        vol = 2.0 * nbytes * (comm.size - 1) / comm.size
+        comm._account("allreduce", vol, vol)
+        return own, 0
+
+    monkeypatch.setattr(reduce_ops, "ring_reduce_once", fake_ring)
+    comm = _Comm()
+    comm._account("allreduce", 8.0, 8.0)                 # an ordinary allreduce: not the ring's
+    ring = RingTransport()
+    busy = lambda lo, hi: sum(range(20000))             # noqa: E731 - some work to time
+    with ring.installed():
+        assert reduce_ops.ring_reduce_once is not fake_ring
+        reduce_ops.ring_reduce_once(comm, 1000, busy, np.zeros(1000, np.uint8), lambda a, b, o, lo, hi: 0,
+                                    consume=busy)
+    assert reduce_ops.ring_reduce_once is fake_ring       # restored
+    assert ring.calls == 1 and ring.sent == ring.received == 1000.0
+    assert ring.work_s > 0 and ring.work_cpu_s > 0
+    st = comm.stats()["by_op"]["allreduce"]               # the Communicator's own counts are unchanged
+    assert st["calls"] == 2 and st["sent"] == 1008.0
