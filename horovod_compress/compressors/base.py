@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from typing import Any, ClassVar
 
 import numpy as np
@@ -66,6 +67,23 @@ def _finite(x: Any) -> bool:
         if bool(xp.isfinite(xp.dot(v, v))):
             return True
     return bool(xp.isfinite(x).all())   # NaN/Inf, or a sum of squares that overflowed
+
+
+class _FiniteGate:
+    """A deferred per-call agreement: the work-dtype gradient, the communicator, the signature."""
+
+    __slots__ = ("x", "comm", "signature")
+
+    def __init__(self, x: Any, comm: Any, signature: tuple) -> None:
+        self.x, self.comm, self.signature = x, comm, signature
+
+
+class _NonFiniteAgreed(Exception):
+    """Raised by :meth:`Method._pass_finite_gate` when the ranks agreed that a gradient is not finite."""
+
+    def __init__(self, bad_ranks: list[int]) -> None:
+        super().__init__(bad_ranks)
+        self.bad_ranks = bad_ranks
 
 
 def _move_state(state: dict, xp: Any) -> None:
@@ -126,6 +144,7 @@ class Method:
         self.nonfinite: str = "raise"
         self.set_nonfinite(nonfinite)
         self._signatures: set[tuple] = set()
+        self._finite_gates: dict[int, _FiniteGate] = {}   # deferred agreements, per thread
         self.skipped_steps: int = 0
         self.last_step_skipped: bool = False
         self.feedback: Feedback = make_feedback(
@@ -159,28 +178,94 @@ class Method:
         in_dtype = np.dtype(grad.dtype)
         x = grad.astype(self._work_dtype(in_dtype), copy=False)
         signature = self._signature(grad, in_dtype, name)
-        flags = agree(comm, (NONFINITE if not _finite(x) else 0)
+        self.last_step_skipped = False
+        prev = self.state.get(name)
+        dense_step = (prev.t if prev is not None else 0) + 1 <= self.warmup_steps
+        if not dense_step and self._defers_finite_check(x, name, comm):
+            # the method's first pass reports finiteness and calls _pass_finite_gate
+            # before its first collective (the agreement still precedes every payload)
+            self._gates()[threading.get_ident()] = _FiniteGate(x, comm, signature)
+        else:
+            bad_ranks = self._agree_step(comm, signature, _finite(x))
+            if bad_ranks:
+                return self._nonfinite_step(x, grad, in_dtype, name, comm, bad_ranks)
+        st = self.state.setdefault(name, TensorState())
+        _move_state(st, get_array_module(x))
+        st["t"] = st.t + 1
+        if dense_step:
+            out = comm.allreduce(x, op="avg")
+            self.feedback.on_dense_step(x, out, st)
+        else:
+            try:
+                out = self.feedback.reduce(self, x, name, comm, st)
+            except _NonFiniteAgreed as agreed:     # nothing exchanged, no state kept: undo the step
+                if prev is None:
+                    self.state.pop(name, None)
+                else:
+                    st["t"] = st.t - 1
+                return self._nonfinite_step(x, grad, in_dtype, name, comm, agreed.bad_ranks)
+            finally:
+                gate = self._gates().pop(threading.get_ident(), None)
+            if gate is not None:
+                raise RuntimeError(f"{self.name}: _defers_finite_check promised a call of "
+                                   f"_pass_finite_gate that did not come (tensor {name!r})")
+        if out.shape != grad.shape:
+            out = out.reshape(grad.shape)
+        return out.astype(in_dtype, copy=False) if out.dtype != in_dtype else out
+
+    def _agree_step(self, comm: Any, signature: tuple, finite: bool) -> list[int]:
+        """The per-call agreement: one 1-byte allgather of (not finite, new signature) flags,
+        the signature check when any rank's is new; returns the ranks whose gradient is not finite."""
+        flags = agree(comm, (NONFINITE if not finite else 0)
                       | (NEW_SIGNATURE if signature not in self._signatures else 0))
         if (flags & NEW_SIGNATURE).any():
             check_same_signature(comm, signature)
             if len(self._signatures) >= _MAX_SIGNATURES:
                 self._signatures.clear()
             self._signatures.add(signature)
-        self.last_step_skipped = False
-        if (flags & NONFINITE).any():
-            bad_ranks = [int(r) for r in np.flatnonzero(flags & NONFINITE)]
-            return self._nonfinite_step(x, grad, in_dtype, name, comm, bad_ranks)
-        st = self.state.setdefault(name, TensorState())
-        _move_state(st, get_array_module(x))
-        st["t"] = st.t + 1
-        if st.t <= self.warmup_steps:
-            out = comm.allreduce(x, op="avg")
-            self.feedback.on_dense_step(x, out, st)
-        else:
-            out = self.feedback.reduce(self, x, name, comm, st)
-        if out.shape != grad.shape:
-            out = out.reshape(grad.shape)
-        return out.astype(in_dtype, copy=False) if out.dtype != in_dtype else out
+        return [int(r) for r in np.flatnonzero(flags & NONFINITE)]
+
+    def _defers_finite_check(self, x: Any, name: str, comm: Any) -> bool:
+        """Whether this call's finiteness test and agreement wait for the method's first pass.
+
+        ``True`` promises that every path of this call's ``feedback.reduce`` ->
+        ``_reduce`` calls :meth:`_pass_finite_gate` exactly once, after its
+        local work and before its first collective, so the agreement (and the
+        NaN/Inf policy, and the signature check) still precede every payload,
+        and a method whose pass reads ``x`` anyway can report finiteness from it
+        instead of :func:`_finite` reading the gradient once more. Default: no.
+        """
+        return False
+
+    def _pass_finite_gate(self, finite: bool | None = None) -> None:
+        """The deferred agreement of :meth:`allreduce` (see :meth:`_defers_finite_check`).
+
+        ``finite``: whether this rank's gradient is finite, as the method's
+        pass found; ``None`` tests the gradient here (:func:`_finite`). A no-op
+        when the call did not defer. Raises a private exception, caught by
+        :meth:`allreduce`, when any rank is not finite: the step then goes to
+        the NaN/Inf policy with the tensor's state as it was.
+        """
+        gate = self._gates().pop(threading.get_ident(), None)
+        if gate is None:
+            return
+        if finite is None:
+            finite = _finite(gate.x)
+        bad_ranks = self._agree_step(gate.comm, gate.signature, bool(finite))
+        if bad_ranks:
+            raise _NonFiniteAgreed(bad_ranks)
+
+    def _finite_gate_pending(self) -> bool:
+        """Whether this thread's current call deferred its agreement and has not passed the gate."""
+        return threading.get_ident() in self._gates()
+
+    def _gates(self) -> dict[int, "_FiniteGate"]:
+        """The pending deferred agreements by thread (the lockstep runner calls one method from
+        several threads, one at a time; an instance restored without ``__init__`` has none)."""
+        gates = self.__dict__.get("_finite_gates")
+        if gates is None:
+            gates = self.__dict__["_finite_gates"] = {}
+        return gates
 
     def _signature(self, grad: Any, in_dtype: np.dtype, name: str) -> tuple:
         """This call's (name, shape, dtype, method config): what ranks must agree on.
@@ -289,7 +374,12 @@ class Method:
     def rng(self, name: str, step: int, purpose: str = "") -> np.random.Generator:
         """A generator every rank derives identically from (seed, name, step, purpose).
 
-        This is how shared randomness is had without a message (ALGORITHMS.md).
+        This is how shared randomness is had without a message: the "synchronized
+        random seed across all nodes" of the GreedyLore paper (*Greedy Low-Rank
+        Gradient Compression for Distributed Learning with Convergence
+        Guarantees*, Section V-C) and of ARC-Top-K (*An All-Reduce Compatible
+        Top-K Compressor for Communication-Efficient Distributed Learning*,
+        Algorithm 1).
         """
         digest = hashlib.blake2b(f"{self.seed}|{name}|{step}|{purpose}".encode(),
                                  digest_size=16).digest()

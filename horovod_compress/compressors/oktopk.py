@@ -24,7 +24,7 @@ reduced region instead. The collective itself is
 :func:`horovod_compress.mpi_collectives.oktopk.ok_sparse_allreduce`.
 
 Warm-up: the paper's reference code runs dense allreduces first (128
-iterations in its LSTM/VGG code, ALGORITHMS.md quotes 512 for BERT) -- the
+iterations in its LSTM/VGG code, more for BERT) -- the
 gradient distribution changes fastest at the start, when reused thresholds
 would be least accurate. Those runs last tens of thousands of steps; our
 default is ``warmup_steps=32`` (one threshold period ``tau_prime``), which keeps
@@ -109,10 +109,20 @@ class OkTopk(Method):
             global_guard=math.inf if self.global_guard is None else self.global_guard)
 
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
-                state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+                state: TensorState) -> tuple[np.ndarray, np.ndarray | None]:
+        """Algorithm 2, lines 5-7 on ``x`` (the accumulator): ``(u / P, local)``.
+
+        NumPy float vectors take the host path (:meth:`_host_step`); CuPy
+        arrays select on the device and run the O(k) collectives on the host.
+        ``local`` is ``None`` when no feedback reads it.
+        """
+        xp = get_array_module(x)
+        if xp is np and x.dtype in (np.float32, np.float64):
+            return self._host_step(np.ascontiguousarray(x).reshape(-1), None, name, comm, state,
+                                   x.shape)
+        self._gate(None)
         from ..mpi_collectives.oktopk import ok_sparse_allreduce
 
-        xp = get_array_module(x)
         flat = x.reshape(-1)
         step = state.t - self.warmup_steps  # Algorithm 1's t: 1 at the first sparse step
         res = ok_sparse_allreduce(comm, flat, self.k_for(flat.size), step, state, self.schedule())
@@ -124,6 +134,79 @@ class OkTopk(Method):
         local = sparse_local(self, name, flat.size, flat.dtype,
                              as_module_array(res.involved, xp), flat)
         return avg.reshape(x.shape), local.reshape(x.shape)
+
+    def _reduce_residual(self, x: np.ndarray, e: np.ndarray, acc: np.ndarray, name: str,
+                         comm: Any, state: TensorState
+                         ) -> tuple[np.ndarray, None] | None:
+        """EF14's ``acc = x + e`` (Algorithm 2, line 4) fused with the local selection.
+
+        :class:`~horovod_compress.feedback.residual.ResidualFeedback` calls this
+        instead of adding ``x + e`` into ``acc`` and calling :meth:`_reduce`;
+        the results are the same bit for bit. On a step that reuses the local
+        threshold the sum is written and compared with the threshold in the
+        same pass (one read of ``x`` and ``e``, one write of ``acc``), which
+        also tells whether ``x`` is finite (the call's deferred NaN/Inf check,
+        :meth:`_defers_finite_check`). EF14's ``e = acc - local`` is applied
+        here, in O(k) (:func:`~horovod_compress.kernels.oktopk_fused.cancel_at`:
+        ``local`` is ``acc`` on the involved indices), so the result is
+        ``(avg, None)`` and no dense ``local`` is built. ``None`` (nothing
+        written) for inputs the fused kernels do not take (CuPy,
+        non-contiguous, mixed dtypes).
+        """
+        if not (type(x) is np.ndarray and type(e) is np.ndarray and type(acc) is np.ndarray
+                and x.dtype == e.dtype == acc.dtype and x.dtype in (np.float32, np.float64)
+                and x.flags.c_contiguous and e.flags.c_contiguous and acc.flags.c_contiguous
+                and x.size == e.size == acc.size):
+            return None
+        return self._host_step(acc.reshape(-1), (x.reshape(-1), e.reshape(-1)), name, comm,
+                               state, acc.shape, residual=True)
+
+    def _defers_finite_check(self, x: Any, name: str, comm: Any) -> bool:
+        """NumPy float vectors under no feedback or EF14: every path ends in :meth:`_host_step`
+        (which passes the gate once, before the first message); on EF14's fused path the pass
+        that forms ``acc`` also reports whether the gradient is finite, so it is not read again."""
+        from ..feedback import Feedback
+        from ..feedback.residual import ResidualFeedback
+        return (type(x) is np.ndarray and x.dtype in (np.float32, np.float64)
+                and type(self.feedback) in (Feedback, ResidualFeedback))
+
+    def _gate(self, finite: bool | None) -> None:
+        """The deferred NaN/Inf agreement of the call, where the base class offers one."""
+        gate = getattr(self, "_pass_finite_gate", None)
+        if gate is not None:
+            gate(finite)
+
+    def _host_step(self, flat: np.ndarray, addends: tuple[np.ndarray, np.ndarray] | None,
+                   name: str, comm: Any, state: TensorState, shape: tuple[int, ...],
+                   residual: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+        """One sparse step on a host float vector: Algorithm 1, then ``u / P`` and ``local``.
+
+        ``flat`` is the accumulator (written as the sum of ``addends`` when
+        given). Nothing of size n is allocated but the output: the selection
+        buffers live in a per-tensor scratch dict, ``u / P`` is scattered
+        into calloc'd zeros (:func:`~horovod_compress.kernels.oktopk_fused.densify`),
+        and ``local`` (acc on the involved indices, Algorithm 2, line 6) is
+        either applied to ``flat`` at once (``residual``: EF14's fused path,
+        returns ``(avg, None)``), not built (no feedback reads it), or built
+        in a reused buffer in O(k) (:func:`~horovod_compress.compressors.sparse_common.sparse_local`,
+        whose support EF14 reads).
+        """
+        from ..kernels.oktopk_fused import cancel_at, densify
+        from ..mpi_collectives.oktopk import ok_sparse_allreduce
+
+        step = state.t - self.warmup_steps  # Algorithm 1's t: 1 at the first sparse step
+        scratch = self.__dict__.setdefault("_ok_scratch", {}).setdefault(name, {})
+        res = ok_sparse_allreduce(comm, flat, self.k_for(flat.size), step, state,
+                                  self.schedule(), addends=addends, scratch=scratch,
+                                  gate=self._gate)
+        avg = densify(flat.size, res.indices, res.values, comm.size, flat.dtype)
+        if residual:
+            cancel_at(flat, res.involved)      # EF14: e = acc - local, local = acc on involved
+            return avg.reshape(shape), None
+        if not self.feedback.uses_local:
+            return avg.reshape(shape), None
+        local = sparse_local(self, name, flat.size, flat.dtype, res.involved, flat)
+        return avg.reshape(shape), local.reshape(shape)
 
 
 __all__ = ["DEFAULT_WARMUP_STEPS", "OkTopk"]

@@ -69,9 +69,19 @@ class TopkA(DensitySparsifier):
         local[idx] = flat[idx]
         return avg, local.reshape(x.shape)
 
+    def _defers_finite_check(self, x: Any, name: str, comm: Any) -> bool:
+        """NumPy float32 under no feedback or EF14: every path ends in :meth:`_exchange`, which
+        passes the gate; EF14's fused pass (:meth:`_reduce_residual`) reports finiteness from
+        its read of x, so the gradient is not read a second time for the NaN/Inf check."""
+        from ..feedback import Feedback
+        from ..feedback.residual import ResidualFeedback
+        return (type(x) is np.ndarray and x.dtype == np.float32
+                and type(self.feedback) in (Feedback, ResidualFeedback))
+
     def _reduce_residual(self, x: np.ndarray, e: np.ndarray, acc: np.ndarray, name: str, comm: Any,
-                         state: TensorState) -> tuple[np.ndarray, np.ndarray] | None:
-        """EF14's ``acc = x + e`` fused with the selection: ``_reduce(acc)`` in one read of x and e.
+                         state: TensorState) -> tuple[np.ndarray, None] | None:
+        """EF14's ``acc = x + e`` fused with the selection: ``_reduce(acc)`` in one read of x and e,
+        and EF14's ``acc -= local`` applied in place, so ``(avg, None)`` is returned.
 
         :class:`~horovod_compress.feedback.residual.ResidualFeedback` calls
         this (when a method has it) instead of adding ``x + e`` into ``acc``
@@ -87,12 +97,14 @@ class TopkA(DensitySparsifier):
         msg = np.empty(2 * k, np.float32)
         out_idx, out_val = msg[:k].view(np.int32), msg[k:]
         flat = acc.reshape(-1)
+        report: dict = {}
         real = add_topk(x.reshape(-1), e.reshape(-1), flat, k, out_idx, out_val,
-                        scratch=self.__dict__.setdefault("_select_scratch", {}))
+                        scratch=self.__dict__.setdefault("_select_scratch", {}), report=report)
         if real is None:     # no usable sampled bound: acc is written, select over it
             _idx, _val, real = exact_topk_coo(flat, k, out_idx=out_idx, out_val=out_val,
                                               scratch=self._select_scratch)
-        return self._exchange(msg, k, real, flat, name, comm, acc.shape)
+        return self._exchange(msg, k, real, flat, name, comm, acc.shape,
+                              finite=report.get("finite"), residual=True)
 
     def _reduce_cpu(self, x: np.ndarray, name: str, comm: Any) -> tuple[np.ndarray, np.ndarray]:
         """NumPy path: select into the message, allgather, compiled scatter-add (see module doc)."""
@@ -106,8 +118,18 @@ class TopkA(DensitySparsifier):
         return self._exchange(msg, k, real, flat, name, comm, x.shape)
 
     def _exchange(self, msg: np.ndarray, k: int, real: int, flat: np.ndarray, name: str, comm: Any,
-                  shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-        """Allgather the COO messages, sum them, and this rank's ``local`` (``flat`` on its k indices)."""
+                  shape: tuple[int, ...], finite: bool | None = None,
+                  residual: bool = False) -> tuple[np.ndarray, np.ndarray | None]:
+        """Allgather the COO messages, sum them, and this rank's ``local`` (``flat`` on its k indices).
+
+        First the call's deferred NaN/Inf agreement (:meth:`Method._pass_finite_gate`), with
+        ``finite`` as the selection pass found it (``None``: the gradient is tested there).
+        ``residual`` (EF14's fused path): instead of ``local``, apply EF14's ``flat -= local``
+        here -- ``local`` is ``flat`` on its k entries, so that is ``flat[i] - flat[i]`` at
+        them (:func:`~horovod_compress.kernels.scatter.cancel_at`, same bits) -- and return
+        ``(avg, None)``.
+        """
+        self._pass_finite_gate(finite)
         n = flat.size
         itype = np.int32
         idx = msg[:k].view(itype)
@@ -115,6 +137,12 @@ class TopkA(DensitySparsifier):
         all_idx = np.ascontiguousarray(gathered[:, :k]).view(itype).reshape(-1)
         all_val = np.ascontiguousarray(gathered[:, k:]).reshape(-1)
         avg = scatter_sum(n, all_idx, all_val, flat.dtype, scale=1.0 / comm.size)
+        if residual:
+            from ..kernels.scatter import cancel_at
+            cancel_at(flat, idx, real)
+            return avg.reshape(shape), None
+        if not self.feedback.uses_local:   # e.g. feedback="none": nobody reads local
+            return avg.reshape(shape), None
         local = sparse_local(self, name, n, flat.dtype, idx, flat, real)
         return avg.reshape(shape), local.reshape(shape)
 

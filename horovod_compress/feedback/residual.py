@@ -30,7 +30,9 @@ class ResidualFeedback(Feedback):
     keeps ``e = x + e - C(x + e)`` (its own contribution ``C`` as the method reports it).
     A method with ``_reduce_residual(x, e, acc, name, comm, state)`` (TopkA) writes
     ``acc = x + e`` itself during its first pass over the data and returns what
-    ``_reduce(acc)`` would (or ``None`` for inputs it does not fuse).
+    ``_reduce(acc)`` would (or ``None`` for inputs it does not fuse); or ``(avg, None)``
+    when it has also applied ``acc -= local`` itself (TopkA: ``local`` is ``acc`` on its
+    support, so no dense ``local`` is built).
     """
     name = "residual"
     uses_local = True
@@ -60,11 +62,18 @@ class ResidualFeedback(Feedback):
         else:
             acc = x.copy()
         avg, local = result if result is not None else method._reduce(acc, name, comm, state)
+        if result is not None and local is None:   # the fused method left acc - local in acc
+            state["fb_residual"] = acc
+            return avg
         support = method.local_support(name, local) if acc.flags.c_contiguous else None
         if support is None:
             xp.subtract(acc, local, out=acc)
         else:                      # local is zero outside its support: O(k), same values
             flat, lflat = acc.reshape(-1), local.reshape(-1)
-            flat[support] -= lflat[support]
+            if xp is np and flat.dtype == lflat.dtype and lflat.flags.c_contiguous:
+                from ..kernels.scatter import subtract_at
+                subtract_at(flat, lflat, support)   # compiled: one read-modify-write per index
+            else:
+                flat[support] -= lflat[support]
         state["fb_residual"] = acc
         return avg

@@ -222,6 +222,44 @@ def scatter_clear(out: np.ndarray, idx: np.ndarray, count: int | None = None) ->
 
 
 @njit(cache=True)
+def _subtract_at(acc, local, idx, count):
+    diff = np.empty(count, acc.dtype)
+    for j in range(count):       # all differences first: a repeated index subtracts once,
+        i = idx[j]               # as NumPy's ``acc[idx] -= local[idx]`` does
+        diff[j] = acc[i] - local[i]
+    for j in range(count):
+        acc[idx[j]] = diff[j]
+
+
+def subtract_at(acc: np.ndarray, local: np.ndarray, idx: np.ndarray, count: int | None = None) -> np.ndarray:
+    """``acc[i] -= local[i]`` at the first ``count`` indices ``i`` of ``idx`` (default all), flat
+    arrays of one dtype; a repeated index subtracts once (EF14's ``e = acc - local`` where ``local`` is zero
+    elsewhere, without NumPy's two gathers and a scatter). Returns ``acc``."""
+    _subtract_at(acc, local, idx, idx.size if count is None else int(count))
+    return acc
+
+
+@njit(cache=True)
+def _cancel_at(acc, idx, count):
+    for j in range(count):
+        i = idx[j]
+        acc[i] = acc[i] - acc[i]
+
+
+def cancel_at(acc: np.ndarray, idx: np.ndarray, count: int | None = None) -> np.ndarray:
+    """``acc[i] = acc[i] - acc[i]`` at the first ``count`` (distinct) indices of ``idx``.
+
+    EF14's residual update ``e = acc - local`` for a sparsifier whose ``local``
+    is ``acc`` itself on its support (TopkA sends its entries unchanged): the
+    same bits as building ``local`` and subtracting (+0 for a finite entry,
+    NaN for an infinite one), in one read-modify-write per index and without
+    the dense ``local``. Returns ``acc``.
+    """
+    _cancel_at(acc, idx, idx.size if count is None else int(count))
+    return acc
+
+
+@njit(cache=True)
 def _scatter_add_rows(out, idx, block, scale):
     n = out.shape[1]
     for j in range(idx.size):
@@ -352,4 +390,4 @@ def scatter_sum(n: int, indices: np.ndarray, values: np.ndarray, dtype: np.dtype
 
 
 __all__ = ["RowScratch", "SparseScratch", "row_local", "is_power_of_two", "scatter_add", "scatter_add_rows", "scatter_clear",
-           "scatter_set", "scatter_sum", "topk_coo", "topk_coo_float32"]
+           "scatter_set", "scatter_sum", "subtract_at", "cancel_at", "topk_coo", "topk_coo_float32"]

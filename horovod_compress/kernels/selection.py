@@ -339,23 +339,40 @@ def _sample_sum_keys(x, e, absmask, runs, run):
     return out
 
 
+@njit(cache=True, inline="always")
+def _block_min_exp_gap(xb, i, expmask):
+    """min over j < 64 of ``~xb[i + j] & expmask``: 0 iff an exponent field is all ones (vectorised)."""
+    m = expmask
+    for j in range(64):
+        m = min(m, np.uint32(np.uint32(~xb[i + np.uint64(j)]) & expmask))
+    return m
+
+
 @njit(cache=True)
-def _add_collect_at_least(x, e, acc, absmask, lo_key, cand, cbits, cap):
+def _add_collect_at_least(x, e, acc, absmask, lo_key, cand, cbits, cap, finite):
     """``acc = x + e`` (float32) and, in the same pass, :func:`_collect_at_least` of ``acc``.
 
     ``acc`` is always written whole; the count of entries whose key is
     ``>= lo_key`` is returned, or -1 once they exceed ``cap`` (the caller
     then selects over ``acc``). Blocks of 64: the sums are written, their
     keys compared into a bit mask (vectorised), the hits visited.
+    ``finite[0]`` is set to whether every ``x`` is finite: the smallest
+    ``~bits(x) & 0x7F800000`` over the pass is 0 exactly when some exponent
+    field is all ones (NaN or Inf) -- one vector min per element, on data
+    already in registers, instead of a second read of ``x``.
     """
     n = np.uint64(x.size)
     bits = acc.view(np.uint32)
+    xb = x.view(np.uint32)
+    expmask = np.uint32(0x7F800000)
+    low = expmask
     w = 0
     full = False
     i = np.uint64(0)
     while i + np.uint64(64) <= n:
         for j in range(64):
             acc[i + np.uint64(j)] = x[i + np.uint64(j)] + e[i + np.uint64(j)]
+        low = min(low, _block_min_exp_gap(xb, i, expmask))
         if not full:
             m = _hit_mask(bits, i, absmask, lo_key)
             if m != np.uint64(0):
@@ -366,6 +383,7 @@ def _add_collect_at_least(x, e, acc, absmask, lo_key, cand, cbits, cap):
         i += np.uint64(64)
     while i < n:
         acc[i] = x[i] + e[i]
+        low = min(low, np.uint32(np.uint32(~xb[i]) & expmask))
         if not full and (bits[i] & absmask) >= lo_key:
             if w >= cap:
                 full = True
@@ -374,11 +392,13 @@ def _add_collect_at_least(x, e, acc, absmask, lo_key, cand, cbits, cap):
                 cbits[w] = bits[i]
                 w += 1
         i += np.uint64(1)
+    finite[0] = low != np.uint32(0)
     return -1 if full else w
 
 
 def add_topk(x: np.ndarray, e: np.ndarray, acc: np.ndarray, k: int, out_idx: np.ndarray,
-             out_val: np.ndarray, scratch: dict | None = None) -> int | None:
+             out_val: np.ndarray, scratch: dict | None = None,
+             report: dict | None = None) -> int | None:
     """``acc = x + e`` and the exact top-k of ``acc``, in one read of ``x`` and ``e`` (float32).
 
     EF14's accumulation (``acc_i = x_i + e_i``, Seide et al. 2014; Ok-Topk's
@@ -388,7 +408,10 @@ def add_topk(x: np.ndarray, e: np.ndarray, acc: np.ndarray, k: int, out_idx: np.
     ``acc`` (above the k-th largest magnitude, then the lowest-index ties) in
     ascending index order; returns k. ``None`` when the bound gives no usable
     candidate set -- ``acc`` is written all the same, and the caller selects
-    over it.
+    over it. ``report`` (a dict, optional) receives ``report["finite"]``:
+    whether every entry of ``x`` is finite, when the fused pass ran (it reads
+    every ``x`` anyway, see :func:`_add_collect_at_least`); absent when it did
+    not (small vectors, no sampled bound), and the caller checks ``x`` itself.
     """
     n = x.size
     if x.dtype != np.float32 or e.dtype != np.float32 or acc.dtype != np.float32:
@@ -406,7 +429,10 @@ def add_topk(x: np.ndarray, e: np.ndarray, acc: np.ndarray, k: int, out_idx: np.
         np.add(x, e, out=acc)
         return None
     cand, cbits, cap = _candidate_buffers(scratch, k, np.dtype(np.uint32))
-    c = int(_add_collect_at_least(x, e, acc, absmask, np.uint32(lo), cand, cbits, cap))
+    finite = np.ones(1, np.bool_)
+    c = int(_add_collect_at_least(x, e, acc, absmask, np.uint32(lo), cand, cbits, cap, finite))
+    if report is not None:
+        report["finite"] = bool(finite[0])
     if c < k:
         return None
     t = int(_radix_kth_largest_key(cbits[:c], k, 32, np.uint64(absmask)))

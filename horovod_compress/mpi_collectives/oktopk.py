@@ -27,8 +27,8 @@ selection a single compare pass. Between exact evaluations the reference
 implementation (github.com/Shigangli/Ok-Topk, ``allreducer.py``) nudges the
 thresholds when the selected count drifts: local ``th /= 1.012`` below 3k/4
 selected, ``th *= 1.012`` above 5k/4; global ``th /= 1.01`` below 3k/4 and
-``th *= 1.008`` above 5k/4. We do the same (ALGORITHMS.md quotes 2k/3 as the
-lower limit; the reference code uses 3k/4, which we follow). On a step that
+``th *= 1.008`` above 5k/4. We do the same (3k/4 as the lower limit, as the
+reference code has it). On a step that
 re-evaluates the global threshold, as in the reference, the whole
 ``reduced_j`` of every rank is allgathered and the exact top-k taken from the
 union, so such a step costs more than the bound (once per ``tau_prime`` steps).
@@ -86,13 +86,21 @@ and use only its accounted operations.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, MutableMapping
+from typing import Any, Callable, MutableMapping
 
 import numpy as np
 
 from ..kernels import dispatch
 from ..kernels.arrays import get_array_module, to_host
-from ..kernels.selection import coo_sum, kth_largest_abs, select_by_threshold, select_topk
+from ..kernels.oktopk_fused import (
+    add_select_at_least,
+    compact_at_least,
+    filter_at_least,
+    intersect_sorted,
+    merge_sum,
+    select_at_least,
+)
+from ..kernels.selection import kth_largest_abs, select_by_threshold, select_topk
 from .coo_messages import (
     allgatherv_entries,
     as_bytes,
@@ -169,7 +177,13 @@ def split_and_reduce(comm: Any, indices: np.ndarray, values: np.ndarray,
     ``indices`` (ascending) and ``values`` are this rank's local top-k.
     Region j of it is sent to rank j; returns ``(indices, sums)`` of region
     ``comm.rank`` summed over all ranks, by ascending index, in ``values``'
-    dtype (sums are formed in float64 first).
+    dtype (sums are formed in float64 first, adding equal indices in the
+    order: this rank's entry, then the messages in the order of the rotation
+    schedule). Every message is a slice of an ascending list, so the
+    reduction is a merge of sorted runs
+    (:func:`~horovod_compress.kernels.oktopk_fused.merge_sum`, O(m) for a
+    bucket's m entries) -- the same bits as a sort-based ``coo_sum`` of the
+    concatenation, which it replaced.
 
     One round trip per bucket and no size exchange: every rank sends one
     message to each destination of the bucket (possibly empty: zero bytes
@@ -179,20 +193,24 @@ def split_and_reduce(comm: Any, indices: np.ndarray, values: np.ndarray,
     trip per step.)
     """
     p, r = comm.size, comm.rank
-    entries = make_entries(indices, values)
     cuts = region_cuts(indices, boundaries)
-    mine = entries[cuts[r]:cuts[r + 1]]
-    acc_idx, acc_val = mine["index"].astype(np.int64), mine["value"].astype(np.float64)
+    acc_idx, acc_val = indices[cuts[r]:cuts[r + 1]], values[cuts[r]:cuts[r + 1]]
     if p == 1:
-        return acc_idx, acc_val.astype(values.dtype)
+        return acc_idx.astype(np.int64), acc_val.astype(values.dtype)
+    entries = make_entries(indices, values)
+    edt = entries.dtype
 
-    def reduce_into(acc_idx, acc_val, received):
-        parts = [from_bytes(b, values.dtype) for b in received]
-        parts = [q for q in parts if q.size]
+    def reduce_into(acc_idx: np.ndarray, acc_val: np.ndarray,
+                    received: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+        # every message (and acc) is ascending by index: a merge of the sorted runs, sums in
+        # float64 in run order -- what coo_sum gives on the concatenation, without its sort
+        parts = [b for b in received if b.size]
         if not parts:
             return acc_idx, acc_val
-        return coo_sum(np.concatenate([acc_idx] + [q["index"].astype(np.int64) for q in parts]),
-                       np.concatenate([acc_val] + [q["value"].astype(np.float64) for q in parts]))
+        cat = from_bytes(np.concatenate(parts) if len(parts) > 1 else parts[0], values.dtype)
+        starts = np.zeros(len(parts) + 1, np.int64)
+        np.cumsum([b.size // edt.itemsize for b in parts], out=starts[1:])
+        return merge_sum(acc_idx, acc_val, cat["index"], cat["value"], starts)
 
     in_flight: list[np.ndarray] = []
     for bucket in rotation_schedule(r, p, bucket_size):
@@ -203,7 +221,7 @@ def split_and_reduce(comm: Any, indices: np.ndarray, values: np.ndarray,
         in_flight = [comm.recv(src, TAG_SPLIT, dtype=np.uint8) for _, src in bucket]
         wait_all(sends)
     acc_idx, acc_val = reduce_into(acc_idx, acc_val, in_flight)
-    return acc_idx, acc_val.astype(values.dtype)
+    return acc_idx.astype(np.int64, copy=False), acc_val.astype(values.dtype)
 
 
 def wait_all(requests: list[Any]) -> None:
@@ -472,9 +490,101 @@ def _nudge(th: float, count: int, k: int, low: float, high: float,
     return th
 
 
+def _host_float_vector(a: Any) -> bool:
+    """Whether ``a`` is a contiguous float32/float64 NumPy vector (what the fused kernels take)."""
+    return (type(a) is np.ndarray and a.dtype in (np.float32, np.float64)
+            and a.flags.c_contiguous)
+
+
+def _selection_buffers(scratch: MutableMapping[str, Any] | None, n: int, k: int,
+                       dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Reused COO buffers for a threshold selection over n entries (room for ~4k hits at first).
+
+    They grow (to twice the largest count seen, at most n) when a selection
+    overflows them, so a stale threshold costs one extra pass once, not every step.
+    """
+    store: MutableMapping[str, Any] = {} if scratch is None else scratch
+    bi, bv = store.get("sel_idx"), store.get("sel_val")
+    want = min(n, max(4 * k, 4096, int(store.get("sel_want", 0))))
+    if bi is None or bi.size < want or bv.dtype != dtype:
+        bi = store["sel_idx"] = np.empty(want, np.int64)
+        bv = store["sel_val"] = np.empty(want, dtype)
+    return bi, bv
+
+
+def _local_selection(acc: Any, addends: tuple[np.ndarray, np.ndarray] | None, th: float,
+                     exact: bool, k: int, guard: float,
+                     scratch: MutableMapping[str, Any] | None,
+                     gate: Callable[[bool | None], None] | None
+                     ) -> tuple[Any, Any, float, int, bool]:
+    """Algorithm 1, lines 2-4 (and Algorithm 2, line 4 when ``addends`` is given).
+
+    Returns ``(idx, val, th, count_reused, exact)``: the selected COO (ascending
+    indices), the threshold it used, how many the reused threshold selected
+    (before the guard) and whether the threshold is now exact. With
+    ``addends = (g, e)`` the accumulator ``acc = g + e`` is written during the
+    selection pass (host float vectors only). ``gate`` is called once, before
+    anything is selected or after the pass that wrote ``acc`` (with whether
+    ``g`` was finite, as that pass found), and raises to abandon the step.
+    """
+    n = acc.size
+    fused = addends is not None and not exact and _host_float_vector(acc)
+    if gate is not None and not fused:
+        gate(None)                      # no fused pass reads g: the gate tests it
+    if not _host_float_vector(acc):
+        # CuPy (or other) arrays: the O(n) passes run where acc lives, through the dispatcher
+        if exact:
+            th = dispatch.call("kth_largest_abs", acc, k)
+        idx, val = dispatch.call("select_by_threshold", acc, th)
+        reused = int(idx.size)
+        if not exact and idx.size > guard * k:
+            th = dispatch.call("kth_largest_abs", val, k)
+            pos, val = dispatch.call("select_by_threshold", val, th)
+            idx = idx[pos]
+            exact = True
+        return idx, val, th, reused, exact
+    if exact:
+        if addends is not None:
+            np.add(addends[0], addends[1], out=acc)
+        # the threshold and the selection in one read of acc (a sampled bound, then the
+        # exact k-th largest among the few candidates above it; same result)
+        store = None if scratch is None else scratch.setdefault("topk", {})
+        idx, val, th = select_topk(acc, k, scratch=store)
+        return idx, val, th, int(idx.size), True
+    # a reused threshold: one compare pass (fused with acc = g + e), hits into reused buffers
+    bi, bv = _selection_buffers(scratch, n, k, acc.dtype)
+    if addends is not None:
+        report: dict[str, bool] = {}
+        count = add_select_at_least(addends[0], addends[1], acc, th, bi, bv, report=report)
+        if gate is not None:
+            gate(report["finite"])      # before the guard's work, and before any message
+    else:
+        count = select_at_least(acc, th, bi, bv)
+    if count > bi.size and scratch is not None:
+        scratch["sel_want"] = min(n, 2 * count)     # room for it from the next step on
+    if count > guard * k:
+        # the stale selection has more than k entries, so it holds the true top k: the
+        # exact k-th largest |acc| is found among these candidates and selected from
+        # them (O(candidates), not two more O(n) passes over acc; same result)
+        if count <= bi.size:
+            th = kth_largest_abs(bv[:count], k)
+            kept = compact_at_least(bi, bv, count, th)
+            return bi[:kept], bv[:kept], th, count, True
+        idx, val, th = select_topk(acc, k)      # they did not fit: the same selection over acc
+        return idx, val, th, count, True
+    if count > bi.size:                         # (only when the guard is off or above 4)
+        bi, bv = _selection_buffers(scratch, n, k, acc.dtype) if scratch is not None else \
+            (np.empty(count, np.int64), np.empty(count, acc.dtype))
+        select_at_least(acc, th, bi, bv)
+    return bi[:count], bv[:count], th, count, False
+
+
 def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
                         state: MutableMapping[str, Any],
-                        schedule: OkTopkSchedule = OkTopkSchedule()) -> OkTopkResult:
+                        schedule: OkTopkSchedule = OkTopkSchedule(), *,
+                        addends: tuple[np.ndarray, np.ndarray] | None = None,
+                        scratch: MutableMapping[str, Any] | None = None,
+                        gate: Callable[[bool | None], None] | None = None) -> OkTopkResult:
     """Algorithm 1 on this rank's flat accumulator ``acc`` at sparse step ``step`` (1-based).
 
     ``state`` holds ``local_th``, ``global_th`` and ``boundaries`` between
@@ -482,8 +592,25 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
     ``local_count_reused`` and ``global_count_reused``); it must be the same
     tensor's state on every rank. ``k`` may exceed ``acc.size`` (then every
     nonzero entry is selected).
+
+    ``addends = (g, e)`` (flat contiguous NumPy vectors of ``acc``'s dtype):
+    ``acc`` is an output buffer, written as ``g + e`` (Algorithm 2, line 4)
+    in the same pass as the local selection. ``scratch`` (a dict the caller
+    keeps per tensor) holds the selection buffers between calls, so a step
+    allocates nothing of size n. Neither changes the result. ``gate``
+    (:meth:`~horovod_compress.compressors.base.Method._pass_finite_gate`) is
+    called exactly once, after the local pass and before the first message,
+    with whether ``g`` is finite when the fused pass found it (else ``None``);
+    it may raise to abandon the step before ``state`` is changed.
     """
-    acc = get_array_module(acc).ascontiguousarray(acc).reshape(-1)
+    if addends is not None:
+        g, e = addends
+        if not (_host_float_vector(acc) and _host_float_vector(g) and _host_float_vector(e)
+                and g.dtype == e.dtype == acc.dtype and g.size == e.size == acc.size):
+            raise ValueError("oktopk: addends must be contiguous NumPy vectors of acc's dtype and size")
+        acc, addends = acc.reshape(-1), (g.reshape(-1), e.reshape(-1))
+    else:
+        acc = get_array_module(acc).ascontiguousarray(acc).reshape(-1)
     n, p = acc.size, comm.size
     check_index_range(n, "oktopk")
     if step < 1:
@@ -495,25 +622,8 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
     # lines 2-4: local threshold, exact every tau' steps, reused (and nudged) otherwise
     th = float(state.get("local_th", 0.0))
     exact_local = first_of_period or "local_th" not in state or th <= 0.0
-    # (the O(n) passes run where acc lives -- GPU kernels for a CuPy acc -- and only the
-    # selected O(k) COO list comes to the host for the collectives below)
-    if exact_local and isinstance(acc, np.ndarray):
-        # the threshold and the selection in one read of acc (a sampled bound, then the
-        # exact k-th largest among the few candidates above it; same result)
-        idx, val, th = select_topk(acc, k)
-    else:
-        if exact_local:
-            th = dispatch.call("kth_largest_abs", acc, k)
-        idx, val = dispatch.call("select_by_threshold", acc, th)
-    local_reused = int(idx.size)
-    if not exact_local and idx.size > schedule.local_guard * k:
-        # the stale selection has more than k entries, so it holds the true top k: the
-        # exact k-th largest |acc| is found among these candidates and selected from
-        # them (O(candidates), not two more O(n) passes over acc; same result)
-        th = dispatch.call("kth_largest_abs", val, k)
-        pos, val = dispatch.call("select_by_threshold", val, th)
-        idx = idx[pos]
-        exact_local = True
+    idx, val, th, local_reused, exact_local = _local_selection(
+        acc, addends, th, exact_local, k, schedule.local_guard, scratch, gate)
     idx, val = to_host(idx), to_host(val)
     state["local_th"] = (th if exact_local else
                          _nudge(th, idx.size, k, schedule.low, schedule.high,
@@ -569,8 +679,8 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
         state["global_th"] = gth
     else:
         with comm.phase("oktopk.balance_and_allgatherv"):
-            keep, g_val = select_by_threshold(red_val, gth)
-            counts, top_key = count_exchange(keep.size, max_abs_key(g_val))
+            g_idx, g_val, top = filter_at_least(red_idx, red_val, gth)
+            counts, top_key = count_exchange(g_idx.size, abs_key(top, g_val.dtype))
             global_reused = int(counts.sum())
             if global_reused > schedule.global_guard * k:
                 # the reused threshold went stale: the candidates (keys between gth's and the
@@ -582,17 +692,17 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
                         comm, g_val, k, key_range=(lo, max(lo, top_key)),
                         bits=radix_bits_for(k, schedule.radix_bits), with_counts=True,
                         count_dtype=np.int32 if global_reused < 2**31 else np.int64)
-                sub, g_val = select_by_threshold(g_val, gth)
-                keep = keep[sub]
+                g_idx, g_val, _ = filter_at_least(g_idx, g_val, gth)
                 exact_global = True
             u_idx, u_val, balanced = balance_and_allgatherv(
-                comm, red_idx[keep], g_val, schedule.balance_factor, counts)
+                comm, g_idx, g_val, schedule.balance_factor, counts)
         state["global_th"] = (gth if exact_global else
                               _nudge(gth, u_idx.size, k, schedule.low, schedule.high,
                                      schedule.global_scale_up, schedule.global_scale_down))
 
     # line 14: which local entries made it into u
-    involved = np.intersect1d(idx, u_idx, assume_unique=True)
+    # (both ascending: one merge, no sort)
+    involved = intersect_sorted(idx, u_idx)
     state["local_count"] = int(idx.size)
     state["global_count"] = int(u_idx.size)
     state["local_count_reused"] = local_reused

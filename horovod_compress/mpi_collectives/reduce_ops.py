@@ -177,7 +177,7 @@ def allreduce_reduce_once(comm: Any, buf: np.ndarray, op: MPI.Op) -> np.ndarray:
                                  recvcounts=[int(c) for c in counts], op=op)
         comm.comm.Allgatherv([mine, MPI.UINT8_T], [out, counts, displs, MPI.UINT8_T])
     vol = 2.0 * send.nbytes * (p - 1) / p
-    comm._account("allreduce", vol, vol)
+    comm.count("allreduce", vol, vol)
     return out
 
 
@@ -205,7 +205,8 @@ def ring_reduce_once(comm: Any, nbytes: int, produce: Callable[[int, int], None]
                      scratch: tuple[np.ndarray, np.ndarray] | None = None,
                      ) -> tuple[np.ndarray, int]:
     """Allreduce of ``own`` (``nbytes`` uint8) in which every byte is reduced on one rank only,
-    as a pipelined ring; returns (result identical on every rank, sum of ``reduce``'s returns).
+    as a pipelined ring; returns (result identical on every rank, sum of ``reduce``'s returns), on any backend (mpi4py or torch.distributed:
+    only the communicator's ``isend``/``irecv``/``allgatherv_into``), so both give the same bits.
 
     The structure of :func:`allreduce_reduce_once` -- reduce-scatter (block j
     to rank j, ``block_counts``) then allgather, 2N(P-1)/P bytes each way,
@@ -234,13 +235,54 @@ def ring_reduce_once(comm: Any, nbytes: int, produce: Callable[[int, int], None]
     ``reduce(a, b, out, lo, hi)`` must set out[lo:hi] = a[lo:hi] (op) b[lo:hi]
     (a: the partial sum received, b: ``own``) and return a count.
     """
+    counts = block_counts(nbytes, comm.size)
+    return _ring(comm, nbytes, counts, segment_bytes, slice_bytes, 1, produce, own, reduce,
+                 consume, result, scratch)
+
+
+def ring_reduce_once_items(comm: Any, nitems: int, itemsize: int, produce: Callable[[int, int], None],
+                           own: np.ndarray,
+                           reduce: Callable[[np.ndarray, np.ndarray, np.ndarray, int, int], int],
+                           consume: Callable[[int, int], None] | None = None,
+                           segment_bytes: int = 61440, slice_bytes: int = 1 << 16,
+                           result: np.ndarray | None = None,
+                           scratch: tuple[np.ndarray, np.ndarray] | None = None,
+                           ) -> tuple[np.ndarray, int]:
+    """:func:`ring_reduce_once` on ``nitems`` items of ``itemsize`` bytes each: every block,
+    segment and slice boundary falls between items, so the callbacks (which still receive
+    byte offsets, multiples of ``itemsize``) never see a split item.
+
+    Blocks: ``block_counts(nitems, P)`` items (block j to rank j); segments and
+    slices of about ``segment_bytes`` / ``slice_bytes`` rounded to whole items.
+    Bytes moved and accounted as :func:`ring_reduce_once` of ``nitems * itemsize`` bytes.
+    ``own``, ``result`` and ``scratch`` are uint8 buffers of ``nitems * itemsize`` bytes
+    (e.g. ``words.view(np.uint8)``).
+    """
+    counts = block_counts(nitems, comm.size) * itemsize
+    return _ring(comm, nitems * itemsize, counts, segment_bytes, slice_bytes, itemsize, produce,
+                 own, reduce, consume, result, scratch)
+
+
+def _item_segments(size: int, start: int, segment_bytes: int, itemsize: int) -> list[tuple[int, int]]:
+    """:func:`ring_segments` with every cut on a multiple of ``itemsize`` (``size``, ``start`` are)."""
+    if itemsize == 1:
+        return ring_segments(size, start, segment_bytes)
+    return [(lo * itemsize, hi * itemsize) for lo, hi in
+            ring_segments(size // itemsize, start // itemsize, max(1, segment_bytes // itemsize))]
+
+
+def _ring(comm: Any, nbytes: int, counts: np.ndarray, segment_bytes: int, slice_bytes: int,
+          itemsize: int, produce: Callable[[int, int], None], own: np.ndarray,
+          reduce: Callable[[np.ndarray, np.ndarray, np.ndarray, int, int], int],
+          consume: Callable[[int, int], None] | None, result: np.ndarray | None,
+          scratch: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, int]:
+    """The ring of :func:`ring_reduce_once` for blocks of ``counts`` bytes (see there)."""
     from mpi4py import MPI
     p, r = comm.size, comm.rank
     mpi = comm.comm
-    counts = block_counts(nbytes, p)
     starts = np.zeros(p + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])
-    segs = [ring_segments(int(counts[j]), int(starts[j]), segment_bytes) for j in range(p)]
+    segs = [_item_segments(int(counts[j]), int(starts[j]), segment_bytes, itemsize) for j in range(p)]
     if result is None:
         result = np.empty(nbytes, dtype=np.uint8)
     if p == 1:
@@ -255,7 +297,7 @@ def ring_reduce_once(comm: Any, nbytes: int, produce: Callable[[int, int], None]
     pending = [0] * p
     for s in range(p):
         j = (r - 1 - s) % p
-        for lo, hi in ring_segments(int(counts[j]), int(starts[j]), slice_bytes):
+        for lo, hi in _item_segments(int(counts[j]), int(starts[j]), slice_bytes, itemsize):
             work.append((0, j, lo, hi))
             pending[j] += 1
 
@@ -327,7 +369,7 @@ def ring_reduce_once(comm: Any, nbytes: int, produce: Callable[[int, int], None]
     while work:
         run_one()
     vol = 2.0 * nbytes * (p - 1) / p
-    comm._account("allreduce", vol, vol)
+    comm.count("allreduce", vol, vol)
     return result, total
 
 
@@ -379,3 +421,98 @@ def mpi_custom_op(name: str) -> tuple[Any, Any]:
         dtype = MPI.UINT8_T if item == 1 else MPI.BYTE.Create_contiguous(item).Commit()
         _OPS[key] = (dtype, MPI.Op.Create(fn, commute=True))
     return _OPS[key]
+
+
+# ---------------------------------------------------------------------------
+# Reduce-once allreduce whose every element is summed in a tree of depth
+# ceil(log2 P) (Global-QSGD's 4-bit exponential codes; issue 15).
+
+TREE_TAG = 7927   # tag base of :func:`tree_reduce_once`'s messages (+ block index)
+
+
+def tree_rounds(p: int) -> int:
+    """ceil(log2 p): the depth of :func:`tree_reduce_once`'s binomial trees (0 for p = 1)."""
+    return max(0, (p - 1).bit_length())
+
+
+def tree_round(p: int, r: int, t: int) -> tuple[list[int], list[int]]:
+    """Round ``t`` of :func:`tree_reduce_once` on rank ``r`` of ``p``: (blocks received from rank
+    r + 2^t, blocks sent to rank r - 2^t), ascending.
+
+    In block j's binomial tree rank r is node q = (r - j) mod p; node q != 0
+    sends at round ctz(q) to q - 2^ctz(q); node q receives at round t from
+    q + 2^t when that node exists (q + 2^t < p) and q has not sent yet
+    (q = 0 or ctz(q) > t).
+    """
+    recv, send = [], []
+    step = 1 << t
+    for j in range(p):
+        q = (r - j) % p
+        low = (q & -q).bit_length() - 1 if q else p.bit_length() + 1   # ctz(q); "never" for 0
+        if low > t and q + step < p:
+            recv.append(j)
+        elif q != 0 and low == t:
+            send.append(j)
+    return recv, send
+
+
+def tree_reduce_once(comm: Any, own: np.ndarray,
+                     reduce: Callable[[np.ndarray, np.ndarray, np.ndarray, int, int, int], int],
+                     ) -> tuple[np.ndarray, int]:
+    """Allreduce of the uint8 buffer ``own`` in which every block is reduced along a binomial
+    tree of depth ceil(log2 P), on one rank per tree node; returns (result identical on every
+    rank, sum of ``reduce``'s returns).
+
+    Block j (``block_counts``) is reduced towards rank j: relative to it, rank r
+    is node q = (r - j) mod P; node q != 0 sends its partial sum to node
+    q - 2^t at round t = ctz(q), after adding the partial sums of its children
+    q + 2^u (u < t, q + 2^u < P) received in rounds u = 0, 1, ...; then an
+    allgatherv returns the P reduced blocks to everyone. Every non-root node
+    sends each block once, so a rank sends the same N(P-1)/P bytes as MPI's
+    reduce-scatter (counted, on either backend, as one allreduce of N bytes:
+    2N(P-1)/P each way), in ceil(log2 P) rounds.
+
+    Why a tree (Global-QSGD paper, section 4.3): a stochastic exponential sum
+    at most doubles its larger operand, so a node of height h outputs at most
+    2^h times the largest input. With inputs <= 2^-c and 2^c >= 2P >= 2^(h+1)
+    for h = ceil(log2 P), every partial sum stays <= 1/2 and nothing can
+    saturate, whatever the random words; a chain ((c1 + c2) + c3) + c4, which
+    MPI's ring reduce-scatter runs for large payloads, has height P - 1.
+
+    ``reduce(a, b, out, lo, hi, t)`` must set out[lo:hi] = a[lo:hi] (op)
+    b[lo:hi] (a: the child's partial sum received, b: this rank's partial sum)
+    in round ``t`` (a rank reduces a byte at most once per round, so
+    ``(t, byte)`` indexes distinct random words) and return a count.
+    """
+    own = np.ascontiguousarray(own, dtype=np.uint8).reshape(-1)
+    p, r = comm.size, comm.rank
+    nbytes = own.size
+    if p == 1:
+        return own.copy(), 0
+    vol = 2.0 * nbytes * (p - 1) / p
+    with comm.counted_as("allreduce", vol, vol):    # the volume of the allreduce it replaces
+        counts = block_counts(nbytes, p)
+        starts = np.zeros(p + 1, dtype=np.int64)
+        np.cumsum(counts, out=starts[1:])
+        acc = own.copy()                          # this rank's partial sums, block by block
+        got = np.empty(nbytes, dtype=np.uint8)     # children's partial sums
+        tmp = np.empty(nbytes, dtype=np.uint8)     # reduce output (a separate ``out`` vectorises)
+        total = 0
+        for t in range(tree_rounds(p)):
+            step = 1 << t
+            recv_blocks, send_blocks = tree_round(p, r, t)
+            recvs = [(comm.irecv(got[int(starts[j]):int(starts[j + 1])], (r + step) % p,
+                                 tag=TREE_TAG + j), int(starts[j]), int(starts[j + 1]))
+                     for j in recv_blocks]                        # child node q + 2^t's partial sums
+            sends = [comm.isend(acc[int(starts[j]):int(starts[j + 1])], (r - step) % p,
+                                tag=TREE_TAG + j) for j in send_blocks]   # this node's turn: to q - 2^t
+            for req, lo, hi in recvs:
+                req.wait()
+                if hi > lo:
+                    total += int(reduce(got, acc, tmp, lo, hi, t))
+                    acc[lo:hi] = tmp[lo:hi]
+            for req in sends:
+                req.wait()
+        out = np.empty(nbytes, dtype=np.uint8)
+        comm.allgatherv_into(acc[int(starts[r]):int(starts[r + 1])], counts, out)
+    return out, total
