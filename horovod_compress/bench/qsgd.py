@@ -10,7 +10,10 @@ a warm-up), all in the same process so the baselines share the machine state:
   stochastic rounding, packing; then unpacking and dequantizing;
 * the reduction operator each variant's allreduce applies to its N-element
   payload: Algorithm 2 as ``MPI.Op.Create`` operator (exp8, exp4), int8
-  ``MPI_SUM`` (lin8), the packed-nibble sum operator (lin4), via ``Reduce_local``.
+  ``MPI_SUM`` (lin8), the packed-nibble sum operator (lin4), via ``Reduce_local``;
+  for exp8 also the kernel the pipelined ring calls directly on each segment
+  (``exp_reduce8_lanes_range``: Algorithm 2 on 8 byte lanes per word, row
+  "exp8, ring kernel"), which is what the method runs on payloads >= 64 KiB.
 
 Each is reported as a time ratio to memcpy and to MPI_SUM, plus the paper's
 performance-model inputs: omega = gamma / gamma_hat = rho * t(op) / t(MPI_SUM),
@@ -100,6 +103,13 @@ def _variant_kernels(name: str, x: np.ndarray, world_size: int) -> dict[str, Cal
             inout = other.copy()
             with reduce_stream(7):
                 op.Reduce_local(payload, inout)
+
+        if bits == 8:   # what the pipelined ring runs on each received segment (no MPI.Op)
+            from ..kernels.exp_reduce import exp_reduce8_lanes_range
+            ring_out = np.empty_like(other)
+
+            def reduce_ring() -> None:
+                exp_reduce8_lanes_range(payload, other, ring_out, np.uint64(7), 0, payload.size)
     else:
         s = linear_levels(bits, world_size)
 
@@ -120,8 +130,11 @@ def _variant_kernels(name: str, x: np.ndarray, world_size: int) -> dict[str, Cal
         def reduce() -> None:
             inout = other.copy()
             op.Reduce_local(payload, inout)
-    return {"quantize": quantize, "dequantize": dequantize, "reduce": reduce,
-            "payload_bytes": payload.nbytes, "copy_bytes": other.nbytes}
+    out = {"quantize": quantize, "dequantize": dequantize, "reduce": reduce,
+           "payload_bytes": payload.nbytes, "copy_bytes": other.nbytes}
+    if VARIANTS[name]["dithering"] == "exponential" and bits == 8:
+        out["reduce_ring"] = reduce_ring
+    return out
 
 
 def local_measurements(n: int, repeat: int, world_size: int) -> dict[str, Any]:
@@ -151,6 +164,11 @@ def local_measurements(n: int, repeat: int, world_size: int) -> dict[str, Any]:
             "omega": rho * t_op / t_sum, "delta": (t_q + t_d) / (4.0 * n),
             "qd_melem_per_s": n / (t_q + t_d) / 1e6, "op_melem_per_s": n / t_op / 1e6,
         }
+        if "reduce_ring" in k:   # the ring's direct kernel: no callback, no inout copy
+            t_ring = best_time(k["reduce_ring"], repeat)
+            row["variants"][name].update({
+                "ring_op_s": t_ring, "ring_op_over_memcpy": t_ring / t_memcpy,
+                "ring_op_over_mpi_sum": t_ring / t_sum, "ring_omega": rho * t_ring / t_sum})
     return row
 
 
@@ -211,6 +229,11 @@ def format_report(res: dict[str, Any]) -> str:
                 f"{v['qd_over_memcpy']:.1f}x | {v['qd_over_mpi_sum']:.1f}x | "
                 f"{v['reduce_op_s'] * 1e3:.3f} | {v['op_over_memcpy']:.1f}x | "
                 f"{v['op_over_mpi_sum']:.2f}x | {v['omega']:.1f} | {v['delta'] * 1e9:.2f} |")
+            if "ring_op_s" in v:
+                lines.append(
+                    f"| {name}, ring kernel | | | | | {v['ring_op_s'] * 1e3:.3f} | "
+                    f"{v['ring_op_over_memcpy']:.1f}x | {v['ring_op_over_mpi_sum']:.2f}x | "
+                    f"{v['ring_omega']:.1f} | |")
         lines.append("")
     if res.get("allreduce"):
         lines += ["## Whole allreduce (all ranks)", "",

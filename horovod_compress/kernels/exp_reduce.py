@@ -41,14 +41,22 @@ section 4.3); a reduction order with longer chains can still round a partial
 sum up to 1 with small probability. The kernel then saturates to 1/2 (e = 1)
 instead of wrapping to zero, and returns how many elements saturated (the
 methods add headroom so this essentially never happens at 8 bits).
+
+Byte lanes (the pipelined ring). :func:`exp_reduce8_lanes_range` runs the same
+pair function on eight codes per 64-bit word (:func:`exp_reduce8_swar`, all
+lane arithmetic carry-free), with a word per byte that costs one SplitMix64
+per 8 bytes (:func:`lane_word`): the decision needs clz(r) only up to
+d = |e1 - e2|, which 7 random bits settle except when they are all zero and
+d >= 8; those lanes are redone with the full word. Results equal
+``exp_reduce_pair(a, b, lane_word(key, i))`` byte for byte.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
-from numba.cpython.unsafe.numbers import leading_zeros
+from numba.cpython.unsafe.numbers import leading_zeros, trailing_zeros
 
-from .quantize import GOLDEN, splitmix64, word_state
+from .quantize import GOLDEN, prefer_512bit_vectors, splitmix64, word_state
 
 
 @njit(cache=True, inline="always")
@@ -127,6 +135,7 @@ def exp_reduce8_range(a: np.ndarray, b: np.ndarray, out: np.ndarray, key: np.uin
     The loop of :func:`exp_reduce8_into` and of each chunk of the parallel variant
     (:mod:`.parallel`). Unsigned loop bounds and the additive Weyl state let LLVM vectorise it.
     """
+    prefer_512bit_vectors()
     state = word_state(key, counter + np.uint64(lo)) - GOLDEN  # word counter+i = mix(state + (i-lo+1) G)
     sat = 0
     for i in range(np.uint64(lo), np.uint64(hi)):
@@ -141,6 +150,7 @@ def exp_reduce8_range(a: np.ndarray, b: np.ndarray, out: np.ndarray, key: np.uin
 def exp_reduce4_range(a: np.ndarray, b: np.ndarray, out: np.ndarray, key: np.uint64,
                       counter: np.uint64, lo: int, hi: int) -> int:
     """Packed 4-bit codes of bytes ``lo <= i < hi`` (words counter+2i and counter+2i+1); see the 8-bit one."""
+    prefer_512bit_vectors()
     state = word_state(key, counter + np.uint64(2 * lo)) - GOLDEN
     sat = 0
     for i in range(np.uint64(lo), np.uint64(hi)):
@@ -196,3 +206,158 @@ def exp_reduce_packed(a: np.ndarray, b: np.ndarray, bits: int, key: int,
     else:
         raise ValueError(f"bits must be 8 or 4, got {bits!r}")
     return out, int(sat)
+
+
+# ---------------------------------------------------------------------------
+# Algorithm 2 on eight 8-bit codes per 64-bit word (SWAR), for the pipelined ring.
+
+_H = np.uint64(0x8080808080808080)    # the sign bit of every byte lane
+_L = np.uint64(0x7F7F7F7F7F7F7F7F)    # the exponent bits of every byte lane
+_ONE = np.uint64(0x0101010101010101)
+_M3F = np.uint64(0x3F3F3F3F3F3F3F3F)
+_M0F = np.uint64(0x0F0F0F0F0F0F0F0F)
+_M55 = np.uint64(0x5555555555555555)
+_M33 = np.uint64(0x3333333333333333)
+_F8 = np.uint64(0xF8F8F8F8F8F8F8F8)
+_F0 = np.uint64(0xF0F0F0F0F0F0F0F0)
+_M78 = np.uint64(0x7878787878787878)
+_M7E = np.uint64(0x7E7E7E7E7E7E7E7E)
+_SEVEN = np.uint64(0x0707070707070707)
+#: Word index of the fine stream: byte i's extra random bits are word LANE_FINE + i.
+LANE_FINE = np.uint64(1 << 62)
+
+
+@njit(cache=True, inline="always")
+def _nz(x: np.uint64) -> np.uint64:
+    """Per byte lane of x (each lane <= 0x7F): 0x80 where the lane is non-zero, else 0."""
+    return (x + _L) & _H
+
+
+@njit(cache=True, inline="always")
+def _expand(m: np.uint64) -> np.uint64:
+    """Lane masks 0x80 / 0 -> 0xFF / 0."""
+    return (m - (m >> np.uint64(7))) | m
+
+
+@njit(cache=True, inline="always")
+def exp_reduce8_swar(a: np.uint64, b: np.uint64,
+                     w: np.uint64) -> tuple[np.uint64, np.uint64, np.uint64]:
+    """Algorithm 2 on the 8 code pairs of words ``a`` and ``b`` (byte lanes) with 7 random bits
+    per lane, R = lane of ``w`` & 0x7F; returns (codes, lanes to redo (0x80), saturations).
+
+    Per lane this is :func:`exp_reduce_pair` with the 64-bit word
+    r = R 2^57 + (any 57 bits) -- its decision needs only clz(r) compared with
+    d = |e1 - e2| (and d - 1), and clz(r) = clz7(R) < 7 when R != 0; when
+    R = 0, clz(r) >= 7 decides every d <= 7 (same signs) and d <= 8 (opposite);
+    the lanes with R = 0 and d >= 8 (probability <= 2^-7, only where two
+    exponents differ 256-fold) are returned as "redo" for the caller to
+    recompute with the full word. With k = bitlength(R) = 7 - clz7(R):
+    same signs round up iff k + d <= 7, opposite signs round down (towards 0)
+    iff k + d <= 8. All lane arithmetic stays inside the lane (exponents <= 127,
+    sums <= 141), so no carry crosses lanes.
+    """
+    e1 = a & _L
+    e2 = b & _L
+    n1 = a & _H
+    n2 = b & _H
+    m_le = _expand(((e2 | _H) - e1) & _H)          # 0xFF where e1 <= e2
+    lo = (e1 & m_le) | (e2 & ~m_le)
+    hi = (e1 ^ e2) ^ lo
+    d = hi - lo
+    neg = (n1 & m_le) | (n2 & ~m_le)                 # sign of the operand with exponent lo
+    c_hi = (b & m_le) | (a & ~m_le)                  # the operand with exponent hi
+    same = ~(n1 ^ n2) & _H
+    r = w & _L                                       # 7 random bits per lane
+    s = r | ((r >> np.uint64(1)) & _L)
+    s = s | ((s >> np.uint64(2)) & _M3F)
+    s = s | ((s >> np.uint64(4)) & _M0F)             # all bits below R's top bit set
+    k = s - ((s >> np.uint64(1)) & _M55)
+    k = (k & _M33) + ((k >> np.uint64(2)) & _M33)
+    k = (k + (k >> np.uint64(4))) & _M0F             # bitlength(R), 0..7
+    kd = k + d
+    up = ~_nz((kd & _F8) >> np.uint64(1)) & _H       # k + d <= 7: P = 2^-d
+    down = ~_nz(((kd + _SEVEN) & _F0) >> np.uint64(1)) & _H   # k + d <= 8: P = 2^-(d-1)
+    redo = ~_nz(r) & _nz(d & _M78)                   # R = 0 and d >= 8
+    lo_ge2 = _nz(lo & _M7E)
+    lo_is1 = ~_nz(lo ^ _ONE) & _H
+    e_same = lo - ((up & lo_ge2) >> np.uint64(7))    # lo - 1 on a round-up, never below 1
+    d_nz = _nz(d)
+    e_opp = (lo + ((down & d_nz) >> np.uint64(7))) & _expand(d_nz)   # x - x = 0
+    m_same = _expand(same)
+    e = (e_same & m_same) | (e_opp & ~m_same)
+    code = e | (neg & _nz(e))
+    m_lo = _expand(_nz(lo))
+    out = (code & m_lo) | (c_hi & _expand(_nz(hi)) & ~m_lo)
+    sat = ((same & up & lo_is1 & m_lo) >> np.uint64(7)) * _ONE >> np.uint64(56)
+    return out, redo, sat
+
+
+@njit(cache=True, inline="always")
+def lane_word(key: np.uint64, i: np.uint64) -> np.uint64:
+    """The 64-bit random word byte ``i`` of :func:`exp_reduce8_lanes_range` decides with:
+    R_i 2^57 + (word LANE_FINE + i of stream ``key``) >> 7, where R_i = byte i % 8 of
+    word i // 8 of stream ``key``, & 0x7F (uniform on [0, 2^64): independent bits)."""
+    w = splitmix64(word_state(key, i >> np.uint64(3)))
+    r7 = (w >> (np.uint64(8) * (i & np.uint64(7)))) & np.uint64(0x7F)
+    return (r7 << np.uint64(57)) | (splitmix64(word_state(key, LANE_FINE + i)) >> np.uint64(7))
+
+
+@njit(cache=True)
+def exp_reduce8_lanes_range(a: np.ndarray, b: np.ndarray, out: np.ndarray, key: np.uint64,
+                            lo: int, hi: int) -> int:
+    """8-bit codes of bytes ``lo <= i < hi``: out[i] = Algorithm 2 of a[i] and b[i] with the
+    random word :func:`lane_word` (key, i); returns the number of saturations.
+
+    The same function of (a[i], b[i], word) as :func:`exp_reduce_pair`, hence the
+    same distribution as :func:`exp_reduce8_range`, but its word costs one
+    SplitMix64 per 8 bytes: byte lanes need only 7 random bits (see
+    :func:`exp_reduce8_swar`), and the rare lanes that need more (R = 0 and
+    exponents 2^8 or more apart) are redone here with the full word, in blocks
+    of 64 words so the main loop stays branch-free. Aligned 8-byte words run as
+    SWAR (8 codes per 64-bit lane, 64 per AVX-512 vector); the bytes before the
+    first and after the last whole word run the scalar pair. A byte's word
+    depends only on (key, i), so the result does not depend on how the ring
+    cuts the buffer.
+    """
+    prefer_512bit_vectors()
+    n8 = (a.size // 8) * 8
+    a64 = a[:n8].view(np.uint64)
+    b64 = b[:n8].view(np.uint64)
+    o64 = out[:n8].view(np.uint64)
+    w_lo = min((lo + 7) // 8, hi // 8)
+    w_hi = max(hi // 8, w_lo)
+    sat = 0
+    for i in range(lo, min(hi, 8 * w_lo)):          # head bytes
+        c, s = exp_reduce_pair(np.int64(a[i]), np.int64(b[i]), lane_word(key, np.uint64(i)), 7)
+        out[i] = np.uint8(c)
+        sat += s
+    for i in range(max(8 * w_hi, lo), hi):          # tail bytes
+        c, s = exp_reduce_pair(np.int64(a[i]), np.int64(b[i]), lane_word(key, np.uint64(i)), 7)
+        out[i] = np.uint8(c)
+        sat += s
+    blk = 64
+    for w0 in range(w_lo, w_hi, blk):
+        w1 = min(w0 + blk, w_hi)
+        state = word_state(key, np.uint64(w0)) - GOLDEN
+        redo = np.uint64(0)
+        bsat = np.uint64(0)
+        for w in range(np.uint64(w0), np.uint64(w1)):
+            state += GOLDEN
+            o, rd, st = exp_reduce8_swar(a64[w], b64[w], splitmix64(state))
+            o64[w] = o
+            redo |= rd
+            bsat += st
+        sat += np.int64(bsat)
+        if redo:                                     # rare: lanes whose decision needs > 7 bits
+            for w in range(w0, w1):
+                _, rd, _ = exp_reduce8_swar(a64[w], b64[w],
+                                            splitmix64(word_state(key, np.uint64(w))))
+                while rd:
+                    lane = np.int64(trailing_zeros(rd)) >> 3
+                    rd &= rd - np.uint64(1)
+                    i = 8 * w + lane
+                    c, s = exp_reduce_pair(np.int64(a[i]), np.int64(b[i]),
+                                           lane_word(key, np.uint64(i)), 7)
+                    out[i] = np.uint8(c)
+                    sat += s
+    return sat

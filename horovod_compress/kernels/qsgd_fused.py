@@ -1,9 +1,9 @@
 """Fused Global-QSGD kernels: quantize and dequantize in one pass, by ranges (Numba, CPU).
 
-Global-QSGD (J. Xin, M. Canini, P. Richtárik, S. Horváth, "Quantize Once,
-Train Fast: Allreduce-Compatible Compression with Provable Guarantees",
-Algorithm 1) quantizes each rank's gradient once, y = |x| / norm, with the
-exponential dithering of Definition 1 / equation (2), and needs the
+Global-QSGD (J. Xin, M. Canini, P. Richtárik, S. Horváth, "Global-QSGD:
+Allreduce-Compatible Quantization for Distributed Learning with Theoretical
+Guarantees", Algorithm 1) quantizes each rank's gradient once, y = |x| / norm,
+with the exponential dithering of Definition 1 / equation (2), and needs the
 dequantized message ``local`` = sign 2^-e d_scale as well (the feedback
 schemes read it). :mod:`.quantize` does that in two passes (codes, then
 codes back to floats); the kernels here compute both from the same register
