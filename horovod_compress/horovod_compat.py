@@ -73,10 +73,6 @@ from typing import Any
 
 import numpy as np
 
-#: Methods whose reduction Horovod performs itself (casts around its allreduce).
-#: Not bf16: Horovod 0.28 has no bfloat16 allreduce (torch: "Tensor type
-#: torch.BFloat16Tensor is not supported"; TensorFlow: no kernel for the dtype).
-NATIVE = ("none", "fp16")
 #: Methods that keep no per-tensor state between calls besides a step counter.
 _STATELESS = ("none", "fp16", "bf16", "qsgd", "global_qsgd", "randk", "topk", "gaussiank",
               "topk_dsa", "gtopk")
@@ -94,11 +90,6 @@ class HorovodAdapterError(ValueError):
 # ----------------------------------------------------------------------------- helpers
 def _is_torch(tensor: Any) -> bool:
     return type(tensor).__module__.split(".")[0] == "torch"
-
-
-def is_native(method: Any) -> bool:
-    """Whether Horovod's own allreduce performs ``method`` (a cast, or nothing)."""
-    return getattr(method, "name", None) in NATIVE
 
 
 def is_stateless(method: Any) -> bool:

@@ -132,11 +132,6 @@ class CaseResults(Mapping):
     def __len__(self) -> int:
         return len(self._values) + len(self._failures)
 
-    def assert_passed(self) -> None:
-        """Raise :class:`CaseFailed` naming every failed case (for tests that read no value)."""
-        if self._failures:
-            raise CaseFailed("\n\n".join(self._failures.values()))
-
     @property
     def failures(self) -> dict[str, str]:
         """Case name -> what went wrong, for the cases that failed."""

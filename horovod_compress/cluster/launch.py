@@ -22,7 +22,6 @@ works unchanged):
 from __future__ import annotations
 
 import os
-import shlex
 import stat
 from pathlib import Path
 
@@ -138,8 +137,3 @@ def describe(spec: ClusterSpec, ranks: int) -> str:
             f"links {spec.bandwidth} full duplex via a bridge"
             f"{', delay ' + spec.delay if spec.delay else ''}; {ranks} rank(s), "
             f"{t} thread(s) per rank (OMP/Numba/BLAS/torch) on {threads_per_rank(1)} core(s)")
-
-
-def quoted(command: list[str]) -> str:
-    """``command`` as one shell-quoted string (for printing)."""
-    return " ".join(shlex.quote(c) for c in command)

@@ -1,6 +1,7 @@
 """``powersgd`` -- rank-r PowerSGD (Vogels, Karimireddy, Jaggi, NeurIPS 2019).
 
-GreedyLore's main baseline (papers/greedylore.txt, Tables II-V). Per tensor,
+GreedyLore's main baseline (*Greedy Low-Rank Gradient Compression for
+Distributed Learning with Convergence Guarantees*, Section V-E, Tables II-V). Per tensor,
 viewed as a matrix ``M_i`` of shape ``(rows, cols) = (shape[0], prod(shape[1:]))``,
 with ``r = min(rank, rows, cols)`` (PowerSGD's Algorithm 1, one power-iteration
 step per training step):

@@ -1,6 +1,6 @@
 """Array kinds: which device an array lives on, its array module, and copies between host and device.
 
-The core works on NumPy arrays and, on a GPU, on CuPy arrays (DESIGN.md);
+The core works on NumPy arrays and, on a GPU, on CuPy arrays (docs/architecture.md);
 GPU kernels also accept Numba device arrays (``numba.cuda.to_device``, and the
 simulator's stand-ins under ``NUMBA_ENABLE_CUDASIM=1``). This module answers
 the questions every layer asks about an array without importing CuPy or
