@@ -47,6 +47,7 @@ import numpy as np
 from .launch import relaunch, under_mpi_launcher
 from .machine import platform_summary
 from .report_files import save_figure, write_report
+from ..mpi_collectives.accounting import allreduce_volume
 
 METHODS = ["arc_topk", "topk_rows", "randk_rows", "topk", "randk"]
 LABELS = {"arc_topk": "ARC-Top-K", "topk_rows": "Top-K rows (local, avg)",
@@ -199,11 +200,11 @@ def measure(args: argparse.Namespace, comm: Any, split: str) -> dict[str, Any]:
 def volume_table(layers: dict[str, dict[str, Any]], p: int, itemsize: int = 4) -> dict[str, float]:
     """Measured bytes per step (all weight tensors) per method and the formulas."""
     out = {f"measured_{k}": float(sum(e["bytes"][k] for e in layers.values())) for k in METHODS}
-    out["formula_arc_ring"] = float(sum(2 * (e["K"] * e["n"] + e["m"] * e["r"]) * itemsize
-                                        * (p - 1) / p for e in layers.values()))
+    out["formula_arc_ring"] = float(sum(allreduce_volume((e["K"] * e["n"] + e["m"] * e["r"])
+                                                         * itemsize, p) for e in layers.values()))
     out["paper_2Kn_2mr"] = float(sum((2 * e["K"] * e["n"] + 2 * e["m"] * e["r"]) * itemsize
                                      for e in layers.values()))
-    out["dense_ring"] = float(sum(2 * e["m"] * e["n"] * itemsize * (p - 1) / p
+    out["dense_ring"] = float(sum(allreduce_volume(e["m"] * e["n"] * itemsize, p)
                                   for e in layers.values()))
     return out
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
+from ..mpi_collectives.accounting import allreduce_volume
 
 
 @dataclass
@@ -79,7 +80,7 @@ def params_digest(params: Any) -> str:
 
 def dense_bytes_per_step(num_params: int, world_size: int, itemsize: int = 4) -> float:
     """Bytes per rank of a ring allreduce of all gradients: 2N(P-1)/P."""
-    return 2.0 * num_params * itemsize * (world_size - 1) / world_size
+    return allreduce_volume(num_params * itemsize, world_size)
 
 
 def sgd_settings(method: Any, lr: float, momentum: float | None) -> tuple[float, float]:

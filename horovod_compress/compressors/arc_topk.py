@@ -57,6 +57,7 @@ from .base import Method, TensorState
 from ..params import check_int
 from .registry import register
 from .row_common import check_ratio, rows_from_ratio
+from ..mpi_collectives.accounting import allreduce_volume
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,7 @@ class ArcTopK(Method):
                        itemsize: int = 4) -> float:
         """2 (m r + K n) (P-1)/P words (two ring allreduces), or 2 N (P-1)/P when dense."""
         words = self.plan(tuple(shape)).words
-        return 2.0 * words * itemsize * (world_size - 1) / world_size
+        return allreduce_volume(words * itemsize, world_size)
 
 
 __all__ = ["ArcPlan", "ArcTopK"]

@@ -113,6 +113,7 @@ from ..kernels.quantize import (
 from .base import Method, TensorState
 from ..params import check_choice, check_int
 from .registry import register
+from ..mpi_collectives.accounting import allreduce_volume
 
 _SPARSE_INDEX_BYTES = 4  # uint32 index per nonzero entry
 
@@ -223,7 +224,7 @@ class GlobalQSGD(Method):
             return None
         n = int(np.prod(shape))
         p = world_size
-        return 2.0 * (8 + self.payload_bytes(n)) * (p - 1) / p
+        return allreduce_volume(8 + self.payload_bytes(n), p)
 
     def local_norm(self, flat: np.ndarray) -> float:
         """||x_i||_q (q = inf or 2) in float64; +inf when x_i has a NaN or Inf."""
@@ -451,7 +452,7 @@ class GlobalQSGD(Method):
         return buf
 
     def _sparse_is_smaller(self, max_nnz: int, n: int, p: int) -> bool:
-        dense = 2.0 * self.payload_bytes(n) * (p - 1) / p
+        dense = allreduce_volume(self.payload_bytes(n), p)
         sparse = (p - 1) * (max_nnz * _SPARSE_INDEX_BYTES + self.payload_bytes(max_nnz))
         return sparse < dense
 

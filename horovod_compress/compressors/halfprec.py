@@ -22,6 +22,7 @@ from ..mpi_collectives import is_mpi_communicator
 from ..kernels.halfprec import decode16, encode16
 from .base import Method, TensorState
 from .registry import register
+from ..mpi_collectives.accounting import allreduce_volume
 
 class _HalfPrecision(Method):
     kind = "fp16"
@@ -150,7 +151,7 @@ class _HalfPrecision(Method):
 
     def expected_bytes(self, shape: tuple[int, ...], world_size: int, itemsize: int = 4) -> float:
         n = int(np.prod(shape))
-        return 2.0 * n * 2 * (world_size - 1) / world_size
+        return allreduce_volume(2 * n, world_size)
 
     # Horovod's Compressor protocol: Method.compress/decompress
     # (horovod_compat): fp16 is a cast around Horovod's allreduce; bf16 runs

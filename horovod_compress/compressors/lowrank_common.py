@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from ..params import check_float, check_int
+from ..mpi_collectives.accounting import allreduce_volume
 
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int] | None:
@@ -56,7 +57,7 @@ def compressed_matrix(x: np.ndarray, rank: int, min_compression_rate: float) -> 
 
 def dense_bytes(numel: int, world_size: int, itemsize: int) -> float:
     """Bytes per rank of a ring allreduce of ``numel`` words: 2N(P-1)/P."""
-    return 2.0 * numel * itemsize * (world_size - 1) / world_size
+    return allreduce_volume(numel * itemsize, world_size)
 
 
 def orthogonalize(mat: np.ndarray, epsilon: float = 0.0) -> np.ndarray:

@@ -12,6 +12,7 @@ import numpy as np
 
 from .base import Method, TensorState
 from .registry import register
+from ..mpi_collectives.accounting import allreduce_volume
 
 
 @register
@@ -31,7 +32,7 @@ class NoCompression(Method):
 
     def expected_bytes(self, shape: tuple[int, ...], world_size: int, itemsize: int = 4) -> float:
         n = int(np.prod(shape))
-        return 2.0 * n * itemsize * (world_size - 1) / world_size
+        return allreduce_volume(n * itemsize, world_size)
 
     # Horovod's Compressor protocol: nothing to do.
     def compress(self, tensor: Any) -> tuple[Any, Any]:

@@ -22,6 +22,7 @@ from .base import TensorState
 from .lowrank_common import check_bool
 from .registry import register
 from .sparse_common import DensitySparsifier, k_from_density, sparse_local
+from ..mpi_collectives.accounting import allreduce_volume
 
 
 def shared_random_indices(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
@@ -73,4 +74,4 @@ class RandK(DensitySparsifier):
 
     def expected_bytes(self, shape: tuple[int, ...], world_size: int, itemsize: int = 4) -> float:
         k = k_from_density(self.name, self.density, int(np.prod(shape)))
-        return 2.0 * k * itemsize * (world_size - 1) / world_size
+        return allreduce_volume(k * itemsize, world_size)

@@ -33,6 +33,7 @@ from ..kernels.scatter import is_power_of_two, row_local, scatter_add_rows
 from .base import Method, TensorState
 from .registry import register
 from .row_common import check_ratio, rows_from_ratio
+from ..mpi_collectives.accounting import allreduce_volume
 
 
 class _RowMethod(Method):
@@ -81,7 +82,7 @@ class _RowMethod(Method):
         """The rows' volume (:meth:`_row_bytes`), or a dense ring allreduce 2 N (P-1)/P when sent dense."""
         view = self.view(tuple(shape))
         if view is None:
-            return 2.0 * int(np.prod(shape, dtype=np.int64)) * itemsize * (world_size - 1) / world_size
+            return allreduce_volume(int(np.prod(shape, dtype=np.int64)) * itemsize, world_size)
         return self._row_bytes(*view, world_size, itemsize)   # each subclass defines its formula
 
 
@@ -108,7 +109,7 @@ class RandKRows(_RowMethod):
     @staticmethod
     def _row_bytes(m: int, n: int, k: int, world_size: int, itemsize: int) -> float:
         """One ring allreduce of the K x n rows: 2 K n (P-1)/P words."""
-        return 2.0 * k * n * itemsize * (world_size - 1) / world_size
+        return allreduce_volume(k * n * itemsize, world_size)
 
 
 @register

@@ -38,6 +38,7 @@ import numpy as np
 
 from ..kernels.exp_reduce import exp_reduce4_into, exp_reduce8_into
 from ..kernels.quantize import nibble_add_into
+from .accounting import allreduce_volume
 
 
 class _Stream:
@@ -176,7 +177,7 @@ def allreduce_reduce_once(comm: Any, buf: np.ndarray, op: MPI.Op) -> np.ndarray:
         comm.comm.Reduce_scatter([send, MPI.UINT8_T], [mine, MPI.UINT8_T],
                                  recvcounts=[int(c) for c in counts], op=op)
         comm.comm.Allgatherv([mine, MPI.UINT8_T], [out, counts, displs, MPI.UINT8_T])
-    vol = 2.0 * send.nbytes * (p - 1) / p
+    vol = allreduce_volume(send.nbytes, p)
     comm.count("allreduce", vol, vol)
     return out
 
@@ -368,7 +369,7 @@ def _ring(comm: Any, nbytes: int, counts: np.ndarray, segment_bytes: int, slice_
         wait(req)
     while work:
         run_one()
-    vol = 2.0 * nbytes * (p - 1) / p
+    vol = allreduce_volume(nbytes, p)
     comm.count("allreduce", vol, vol)
     return result, total
 
@@ -489,7 +490,7 @@ def tree_reduce_once(comm: Any, own: np.ndarray,
     nbytes = own.size
     if p == 1:
         return own.copy(), 0
-    vol = 2.0 * nbytes * (p - 1) / p
+    vol = allreduce_volume(nbytes, p)
     with comm.counted_as("allreduce", vol, vol):    # the volume of the allreduce it replaces
         counts = block_counts(nbytes, p)
         starts = np.zeros(p + 1, dtype=np.int64)

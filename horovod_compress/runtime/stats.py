@@ -21,6 +21,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..kernels.arrays import to_host
+from ..mpi_collectives.accounting import allreduce_volume
 
 
 @dataclass
@@ -64,9 +65,8 @@ class ExchangeStats:
                 setattr(self, f.name, f.default)
 
 
-def ring_allreduce_bytes(nbytes: int, size: int) -> float:
-    """Bytes one rank sends in a dense ring allreduce of ``nbytes`` over ``size`` ranks: ``2N(P-1)/P``."""
-    return nbytes * 2.0 * (size - 1) / size
+#: Bytes one rank sends in a dense ring allreduce of ``nbytes`` over ``size`` ranks: ``2N(P-1)/P``.
+ring_allreduce_bytes = allreduce_volume
 
 
 def dense_ring_bytes(buckets: Sequence[Any], size: int) -> float:
