@@ -163,3 +163,23 @@ def test_ring_transport_records_bytes_and_overlapped_work(monkeypatch):
     assert ring.work_s > 0 and ring.work_cpu_s > 0
     st = comm.stats()["by_op"]["allreduce"]               # the Communicator's own counts are unchanged
     assert st["calls"] == 2 and st["sent"] == 1008.0
+
+
+def test_a_ring_call_through_the_items_variant_counts_once(monkeypatch):
+    """ring_reduce_once runs ring_reduce_once_items: the recorder counts the outer call only."""
+    from horovod_compress.mpi_collectives import reduce_ops
+
+    def fake_inner_ring(comm, nbytes, counts, segment_bytes, slice_bytes, itemsize, produce, own,
+                        reduce, consume, result, scratch):
+        produce(0, nbytes)
+        comm.count("allreduce", float(nbytes), float(nbytes))
+        return own, 0
+
+    monkeypatch.setattr(reduce_ops, "_ring", fake_inner_ring)
+    comm = _Comm()
+    ring = RingTransport()
+    busy = lambda lo, hi: sum(range(20000))             # noqa: E731 - some work to time
+    with ring.installed():
+        reduce_ops.ring_reduce_once(comm, 1000, busy, np.zeros(1000, np.uint8), lambda a, b, o, lo, hi: 0)
+    assert ring.calls == 1 and ring.sent == 1000.0 and ring.inside == 0
+    assert comm.stats()["by_op"]["allreduce"]["calls"] == 1

@@ -82,6 +82,8 @@ class RingTransport:
         sig = inspect.signature(fn)
 
         def wrapped(comm: Any, *args: Any, **kwargs: Any) -> Any:
+            if self.inside:     # one ring function calling the other: the outer call counts
+                return fn(comm, *args, **kwargs)
             bound = sig.bind(comm, *args, **kwargs)
             for name in _CALLBACKS:
                 if name in bound.arguments:

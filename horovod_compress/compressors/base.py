@@ -371,6 +371,20 @@ class Method:
     def _work_dtype(dtype: np.dtype) -> np.dtype:
         return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
 
+    def _scratch_buffers(self, name: str, count: int, n: int, dtype: Any) -> list[np.ndarray]:
+        """``count`` buffers of ``n`` items of ``dtype`` for tensor ``name``, reused across calls.
+
+        For work arrays consumed within one call (a ring's own message, result and
+        partial sums): a fresh buffer would cost a page fault per 4 KiB each step.
+        Not checkpointed.
+        """
+        bufs = self.__dict__.setdefault("_call_scratch", {})
+        got = bufs.get(name)
+        if got is None or len(got) != count or got[0].size != n or got[0].dtype != dtype:
+            got = [np.empty(n, dtype=dtype) for _ in range(count)]
+            bufs[name] = got
+        return got
+
     def rng(self, name: str, step: int, purpose: str = "") -> np.random.Generator:
         """A generator every rank derives identically from (seed, name, step, purpose).
 

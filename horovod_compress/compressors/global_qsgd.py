@@ -427,14 +427,8 @@ class GlobalQSGD(Method):
 
     def _ring_buffers(self, name: str, nbytes: int) -> list[np.ndarray]:
         """Four uint8 buffers of ``nbytes`` for :meth:`_exp_ring` (own codes, result, received
-        and forwarded partial sums), reused per tensor: all are consumed within the call, and
-        fresh ones would cost a page fault per 4 KiB each step. Not checkpointed."""
-        bufs = self.__dict__.setdefault("_ring_scratch", {})
-        got = bufs.get(name)
-        if got is None or got[0].size != nbytes:
-            got = [np.empty(nbytes, dtype=np.uint8) for _ in range(4)]
-            bufs[name] = got
-        return got
+        and forwarded partial sums), reused per tensor (:meth:`_scratch_buffers`)."""
+        return self._scratch_buffers(name, 4, nbytes, np.uint8)
 
     def _local_buffer(self, name: str, flat: np.ndarray) -> np.ndarray:
         """A per-tensor float buffer for ``local`` (this rank's dequantized message), reused.

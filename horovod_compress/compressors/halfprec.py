@@ -61,14 +61,8 @@ class _HalfPrecision(Method):
 
     def _ring_buffers(self, name: str, n: int) -> list[np.ndarray]:
         """Four uint16 buffers of ``n`` words (own message, result, received and forwarded
-        partial sums), reused per tensor: all are consumed within the call, and fresh ones
-        would cost a page fault per 4 KiB each step. Not checkpointed."""
-        bufs = self.__dict__.setdefault("_ring_scratch", {})
-        got = bufs.get(name)
-        if got is None or got[0].size != n:
-            got = [np.empty(n, dtype=np.uint16) for _ in range(4)]
-            bufs[name] = got
-        return got
+        partial sums), reused per tensor (:meth:`_scratch_buffers`)."""
+        return self._scratch_buffers(name, 4, n, np.uint16)
 
     def _defers_finite_check(self, x: Any, name: str, comm: Any) -> bool:
         """On the ring without feedback: the 16-bit rounding pass reports whether x is finite

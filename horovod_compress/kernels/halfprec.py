@@ -37,9 +37,9 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
-from llvmlite import ir
-from numba import njit, types
-from numba.extending import intrinsic
+from numba import njit
+
+from .llvm_casts import bits_float32, f16_bits_to_float32, float32_bits, float32_to_f16_bits
 
 FP16, BF16 = 0, 1
 
@@ -152,56 +152,10 @@ def _host_has_f16c() -> bool:
 HW_F16: bool = _host_has_f16c()
 
 
-@intrinsic
-def _f32_bits(typingctx, x):
-    """The IEEE-754 bit pattern of a float32 as a uint32 (a register bitcast, vectorisable)."""
-    if not isinstance(x, types.Float) or x.bitwidth != 32:
-        return None
-    sig = types.uint32(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
-
-    return sig, codegen
-
-
-@intrinsic
-def _bits_f32(typingctx, b):
-    """The float32 whose bit pattern is the uint32 ``b`` (a register bitcast)."""
-    if not isinstance(b, types.Integer) or b.bitwidth != 32:
-        return None
-    sig = types.float32(b)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return sig, codegen
-
-
-@intrinsic
-def _f32_to_f16_bits(typingctx, x):
-    """float32 -> IEEE binary16 bit pattern (uint16), round to nearest even (``vcvtps2ph``)."""
-    if not isinstance(x, types.Float) or x.bitwidth != 32:
-        return None
-    sig = types.uint16(types.float32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-    return sig, codegen
-
-
-@intrinsic
-def _f16_bits_to_f32(typingctx, b):
-    """IEEE binary16 bit pattern (uint16) -> float32, exact (``vcvtph2ps``)."""
-    if not isinstance(b, types.Integer) or b.bitwidth != 16:
-        return None
-    sig = types.float32(b)
-
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
-
-    return sig, codegen
+_f32_bits = float32_bits
+_bits_f32 = bits_float32
+_f32_to_f16_bits = float32_to_f16_bits
+_f16_bits_to_f32 = f16_bits_to_float32
 
 
 @njit(cache=True, inline="always")
@@ -299,31 +253,19 @@ def _kind(kind: str) -> int:
 
 def encode16(x: np.ndarray, kind: str, scale: float = 1.0, out: np.ndarray | None = None) -> np.ndarray:
     """16-bit patterns (uint16) of ``x * scale`` rounded to nearest even; ``x`` is flattened to float32."""
-    k = _kind(kind)
     src = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
     if out is None:
         out = np.empty(src.size, np.uint16)
-    if k == BF16:
-        encode_bf16_range(src, np.float32(scale), out, 0, src.size)
-    elif HW_F16:
-        encode_fp16_range(src, np.float32(scale), out, 0, src.size)
-    else:
-        _encode_flat(src, np.float32(scale), k, out)
+    encode16_range(kind)(src, np.float32(scale), out, 0, src.size)
     return out
 
 
 def decode16(bits: np.ndarray, kind: str, scale: float = 1.0, out: np.ndarray | None = None) -> np.ndarray:
     """float32 values of 16-bit patterns times ``scale`` (exact when ``scale`` is a power of two)."""
-    k = _kind(kind)
     src = np.ascontiguousarray(bits, dtype=np.uint16).reshape(-1)
     if out is None:
         out = np.empty(src.size, np.float32)
-    if k == BF16:
-        decode_bf16_range(src, np.float32(scale), out, 0, src.size)
-    elif HW_F16:
-        decode_fp16_range(src, np.float32(scale), out, 0, src.size)
-    else:
-        _decode_fp16(src, _FP16_TO_F32, np.float32(scale), out)
+    decode16_range(kind)(src, np.float32(scale), out, 0, src.size)
     return out
 
 
@@ -359,37 +301,32 @@ def add16_into(a: np.ndarray, b: np.ndarray, kind: str) -> None:
         _add_into(a, b, k, _FP16_TO_F32)
 
 
+def _pick(kind: str, bf16: Callable, fp16_hw: Callable, fp16_sw: Callable | None) -> Callable | None:
+    """The kernel for ``kind``: bfloat16's, else float16's with F16C (:data:`HW_F16`) or without."""
+    if _kind(kind) == BF16:
+        return bf16
+    return fp16_hw if HW_F16 else fp16_sw
+
+
 def add16_range(kind: str) -> Callable[[np.ndarray, np.ndarray, np.ndarray, int, int], None]:
     """The kernel ``f(a, b, out, lo, hi)``: ``out[i] = round16(widen(a[i]) + widen(b[i]))``, lo <= i < hi."""
-    k = _kind(kind)
-    if k == BF16:
-        return add_bf16_range
-    return add_fp16_range if HW_F16 else _add_fp16_range_sw
+    return _pick(kind, add_bf16_range, add_fp16_range, _add_fp16_range_sw)
 
 
 def encode16_range(kind: str) -> Callable[[np.ndarray, np.float32, np.ndarray, int, int], None]:
     """The kernel ``f(x, scale, out, lo, hi)``: ``out[i] = round16(x[i] * scale)``, lo <= i < hi."""
-    k = _kind(kind)
-    if k == BF16:
-        return encode_bf16_range
-    return encode_fp16_range if HW_F16 else _encode_fp16_range_sw
+    return _pick(kind, encode_bf16_range, encode_fp16_range, _encode_fp16_range_sw)
 
 
 def encode16_range_finite(kind: str) -> Callable[[np.ndarray, np.float32, np.ndarray, int, int], bool] | None:
     """:func:`encode16_range`'s kernel that also returns whether ``x[lo:hi]`` is finite
     (``None`` for float16 without F16C: the software kernel has no such variant)."""
-    k = _kind(kind)
-    if k == BF16:
-        return encode_bf16_range_finite
-    return encode_fp16_range_finite if HW_F16 else None
+    return _pick(kind, encode_bf16_range_finite, encode_fp16_range_finite, None)
 
 
 def decode16_range(kind: str) -> Callable[[np.ndarray, np.float32, np.ndarray, int, int], None]:
     """The kernel ``f(bits, scale, out, lo, hi)``: ``out[i] = widen(bits[i]) * scale``, lo <= i < hi."""
-    k = _kind(kind)
-    if k == BF16:
-        return decode_bf16_range
-    return decode_fp16_range if HW_F16 else _decode_fp16_range_sw
+    return _pick(kind, decode_bf16_range, decode_fp16_range, _decode_fp16_range_sw)
 
 
 def _add_fp16_range_sw(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:

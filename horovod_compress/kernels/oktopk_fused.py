@@ -39,6 +39,32 @@ from numba.cpython.unsafe.numbers import trailing_zeros
 
 
 # ------------------------------------------------------- threshold selection
+@njit(cache=True, inline="always")
+def _hit_mask64(acc: np.ndarray, i: np.uint64, th: float, z: float) -> np.uint64:
+    """Bit j set where ``|acc[i + j]| >= th`` and ``acc[i + j] != 0`` (j < 64; branch-free, vectorises)."""
+    m = np.uint64(0)
+    for j in range(64):
+        v = acc[i + np.uint64(j)]
+        m |= np.uint64((abs(v) >= th) & (v != z)) << np.uint64(j)
+    return m
+
+
+@njit(cache=True, inline="always")
+def _emit_hits(m: np.uint64, base: np.uint64, acc: np.ndarray, out_idx: np.ndarray,
+               out_val: np.ndarray, w: int) -> int:
+    """Append the hits of the 64-bit mask ``m`` (bit j: element base + j) to the COO buffers,
+    counting past their end (the caller grows them and selects again); returns the new count."""
+    cap = out_idx.size
+    while m != np.uint64(0):
+        p = base + trailing_zeros(m)
+        if w < cap:
+            out_idx[w] = p
+            out_val[w] = acc[p]
+        w += 1
+        m &= m - np.uint64(1)
+    return w
+
+
 @njit(cache=True)
 def _add_select(x, e, acc, th, out_idx, out_val, xb, expmask, finite):
     """``acc = x + e``; hits ``|acc| >= th, acc != 0`` to ``out_*`` while they fit; returns the count.
@@ -62,17 +88,7 @@ def _add_select(x, e, acc, th, out_idx, out_val, xb, expmask, finite):
             acc[i + np.uint64(j)] = x[i + np.uint64(j)] + e[i + np.uint64(j)]
         for j in range(64):
             low = min(low, (~xb[i + np.uint64(j)]) & expmask)
-        m = np.uint64(0)
-        for j in range(64):
-            v = acc[i + np.uint64(j)]
-            m |= np.uint64((abs(v) >= th) & (v != z)) << np.uint64(j)
-        while m != np.uint64(0):
-            p = i + trailing_zeros(m)
-            if w < cap:
-                out_idx[w] = p
-                out_val[w] = acc[p]
-            w += 1
-            m &= m - np.uint64(1)
+        w = _emit_hits(_hit_mask64(acc, i, th, z), i, acc, out_idx, out_val, w)
         i += np.uint64(64)
     while i < n:
         v = x[i] + e[i]
@@ -97,17 +113,7 @@ def _select(acc, th, out_idx, out_val):
     i = np.uint64(0)
     z = acc.dtype.type(0)
     while i + np.uint64(64) <= n:
-        m = np.uint64(0)
-        for j in range(64):
-            v = acc[i + np.uint64(j)]
-            m |= np.uint64((abs(v) >= th) & (v != z)) << np.uint64(j)
-        while m != np.uint64(0):
-            p = i + trailing_zeros(m)
-            if w < cap:
-                out_idx[w] = p
-                out_val[w] = acc[p]
-            w += 1
-            m &= m - np.uint64(1)
+        w = _emit_hits(_hit_mask64(acc, i, th, z), i, acc, out_idx, out_val, w)
         i += np.uint64(64)
     while i < n:
         v = acc[i]

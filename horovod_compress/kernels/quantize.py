@@ -54,9 +54,10 @@ import math
 from typing import Any
 
 import numpy as np
-from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
+
+from .llvm_casts import bits_float64, float64_bits
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -96,19 +97,6 @@ def word_state(key: np.uint64, index: np.uint64) -> np.uint64:
     vectorises the loop without a 64-bit multiply for ``i * G``.
     """
     return key + (index + np.uint64(1)) * GOLDEN
-
-
-@intrinsic
-def float64_bits(typingctx, x):
-    """The IEEE-754 bit pattern of a float64 as an int64 (a register bitcast, vectorisable)."""
-    if not isinstance(x, types.Float) or x.bitwidth != 64:
-        return None
-    sig = types.int64(types.float64)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(64))
-
-    return sig, codegen
 
 
 @intrinsic
@@ -311,19 +299,6 @@ def exp_quantize_by(into: Any, x: np.ndarray, scale: float, bits: int, key: int)
     return out
 
 
-@intrinsic
-def bits_float64(typingctx, b):
-    """The float64 whose IEEE-754 bit pattern is the int64 ``b`` (a register bitcast, vectorisable)."""
-    if not isinstance(b, types.Integer) or b.bitwidth != 64:
-        return None
-    sig = types.float64(b)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.DoubleType())
-
-    return sig, codegen
-
-
 @njit(cache=True)
 def exp_dequantize_into(codes: np.ndarray, scale: float, sign_shift: int,
                         out: np.ndarray) -> None:
@@ -490,21 +465,14 @@ def _abs_max_generic(x: np.ndarray) -> float:
 
 
 @njit(cache=True)
-def _max_abs_bits32(b: np.ndarray) -> np.uint32:
-    """max_i (b_i & 0x7FFFFFFF): the largest |x| of float32 bits (an integer max: vectorises)."""
+def _max_abs_bits(b: np.ndarray, magnitude: Any) -> Any:
+    """max_i (b_i & magnitude): the largest |x| of float bits, ``magnitude`` the mask of all
+    bits but the sign (0x7FFFFFFF for float32, as uint32; 0x7FF...F for float64, as uint64);
+    an integer max, so it vectorises."""
     prefer_512bit_vectors()
-    m = np.uint32(0)
+    m = magnitude ^ magnitude
     for i in range(b.size):
-        m = max(m, b[i] & np.uint32(0x7FFFFFFF))
-    return m
-
-
-@njit(cache=True)
-def _max_abs_bits64(b: np.ndarray) -> np.uint64:
-    prefer_512bit_vectors()
-    m = np.uint64(0)
-    for i in range(b.size):
-        m = max(m, b[i] & np.uint64(0x7FFFFFFFFFFFFFFF))
+        m = max(m, b[i] & magnitude)
     return m
 
 
@@ -519,10 +487,10 @@ def abs_max(x: np.ndarray) -> float:
     """
     x = np.ascontiguousarray(x).reshape(-1)
     if x.dtype == np.float32:
-        m = int(_max_abs_bits32(x.view(np.uint32)))
+        m = int(_max_abs_bits(x.view(np.uint32), np.uint32(0x7FFFFFFF)))
         return math.inf if m >= 0x7F800000 else float(np.uint32(m).view(np.float32))
     if x.dtype == np.float64:
-        m = int(_max_abs_bits64(x.view(np.uint64)))
+        m = int(_max_abs_bits(x.view(np.uint64), np.uint64(0x7FFFFFFFFFFFFFFF)))
         return math.inf if m >= 0x7FF0000000000000 else float(np.uint64(m).view(np.float64))
     if x.dtype.kind == "f" and x.dtype.itemsize < 4:   # float16: widening to float32 is exact
         return abs_max(x.astype(np.float32))

@@ -569,16 +569,25 @@ def gaussian_threshold(x: np.ndarray, density: float) -> float:
     threshold positive when the mean is negative, which changes nothing for
     the near-zero means of gradients). Two passes over ``x``, no selection.
     """
-    from scipy.special import ndtri
-
     x = _as_float_vector(x)
     if x.size == 0:
         return math.inf
+    check_density(density)
+    mean, std = _mean_std(x)
+    return threshold_from_moments(float(mean), float(std), density)
+
+
+def check_density(density: float) -> None:
+    """ValueError unless ``0 < density <= 1``."""
     if not 0.0 < density <= 1.0:
         raise ValueError(f"density must be in (0, 1], got {density!r}")
-    mean, std = _mean_std(x)
-    z = float(ndtri(1.0 - density / 2.0))
-    return abs(float(mean)) + float(std) * z
+
+
+def threshold_from_moments(mean: float, std: float, density: float) -> float:
+    """Gaussiank's threshold ``|mu| + sigma * Phi^-1(1 - density / 2)`` from the moments
+    (shared by the CPU and GPU kernels)."""
+    from scipy.special import ndtri
+    return abs(mean) + std * float(ndtri(1.0 - density / 2.0))
 
 
 # ------------------------------------------------------------- COO reduction

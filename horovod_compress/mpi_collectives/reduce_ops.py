@@ -201,13 +201,9 @@ def ring_segments(size: int, start: int, segment_bytes: int) -> list[tuple[int, 
 def ring_reduce_once(comm: Any, nbytes: int, produce: Callable[[int, int], None], own: np.ndarray,
                      reduce: Callable[[np.ndarray, np.ndarray, np.ndarray, int, int], int],
                      consume: Callable[[int, int], None] | None = None,
-                     segment_bytes: int = 61440, slice_bytes: int = 1 << 16,
-                     result: np.ndarray | None = None,
-                     scratch: tuple[np.ndarray, np.ndarray] | None = None,
-                     ) -> tuple[np.ndarray, int]:
+                     **options: Any) -> tuple[np.ndarray, int]:
     """Allreduce of ``own`` (``nbytes`` uint8) in which every byte is reduced on one rank only,
-    as a pipelined ring; returns (result identical on every rank, sum of ``reduce``'s returns), on any backend (mpi4py or torch.distributed:
-    only the communicator's ``isend``/``irecv``/``allgatherv_into``), so both give the same bits.
+    as a pipelined ring; returns (result identical on every rank, sum of ``reduce``'s returns).
 
     The structure of :func:`allreduce_reduce_once` -- reduce-scatter (block j
     to rank j, ``block_counts``) then allgather, 2N(P-1)/P bytes each way,
@@ -234,11 +230,11 @@ def ring_reduce_once(comm: Any, nbytes: int, produce: Callable[[int, int], None]
     ``scratch`` two more (received and forwarded partial sums) a caller may reuse
     across calls (a fresh buffer costs a page fault per 4 KiB).
     ``reduce(a, b, out, lo, hi)`` must set out[lo:hi] = a[lo:hi] (op) b[lo:hi]
-    (a: the partial sum received, b: ``own``) and return a count.
+    (a: the partial sum received, b: ``own``) and return a count. ``options``:
+    ``segment_bytes`` (61440), ``slice_bytes`` (65536), ``result``, ``scratch``,
+    as :func:`ring_reduce_once_items` takes them.
     """
-    counts = block_counts(nbytes, comm.size)
-    return _ring(comm, nbytes, counts, segment_bytes, slice_bytes, 1, produce, own, reduce,
-                 consume, result, scratch)
+    return ring_reduce_once_items(comm, nbytes, 1, produce, own, reduce, consume, **options)
 
 
 def ring_reduce_once_items(comm: Any, nitems: int, itemsize: int, produce: Callable[[int, int], None],
@@ -462,7 +458,8 @@ def tree_reduce_once(comm: Any, own: np.ndarray,
                      ) -> tuple[np.ndarray, int]:
     """Allreduce of the uint8 buffer ``own`` in which every block is reduced along a binomial
     tree of depth ceil(log2 P), on one rank per tree node; returns (result identical on every
-    rank, sum of ``reduce``'s returns).
+    rank, sum of ``reduce``'s returns), on any backend (mpi4py or torch.distributed: only
+    the communicator's ``isend``/``irecv``/``allgatherv_into``), so both give the same bits.
 
     Block j (``block_counts``) is reduced towards rank j: relative to it, rank r
     is node q = (r - j) mod P; node q != 0 sends its partial sum to node

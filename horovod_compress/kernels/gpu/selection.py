@@ -176,15 +176,13 @@ def _mean_std(x: Any) -> tuple[float, float]:
 
 def gaussian_threshold(x: Any, density: float) -> float:
     """Gaussiank's estimate ``|mu| + sigma * Phi^-1(1 - density / 2)`` of the k-th largest ``|x|``."""
-    from scipy.special import ndtri
-
+    from ..selection import check_density, threshold_from_moments
     x = _float_vector(x)
     if x.size == 0:
         return math.inf
-    if not 0.0 < density <= 1.0:
-        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    check_density(density)
     mean, std = _mean_std(x)
-    return abs(mean) + std * float(ndtri(1.0 - density / 2.0))
+    return threshold_from_moments(float(mean), float(std), density)
 
 
 # --------------------------------------------------------------- COO reduction
