@@ -280,6 +280,43 @@ def low_rank_gradient(shape: tuple[int, ...], rank: int, step: int, tid: int, se
 
 
 
+def value_error_messages(calls: Sequence[Callable[[], Any]]) -> list[str]:
+    """Each call's ``ValueError`` message; AssertionError if a call accepts its bad argument."""
+    messages = []
+    for call in calls:
+        try:
+            call()
+        except ValueError as exc:
+            messages.append(str(exc))
+        else:
+            raise AssertionError("bad argument accepted")
+    return messages
+
+
+class CheckRecorder:
+    """Checks a script runs at import, each recorded as ``"ok"`` or its error (for scripts a
+    launcher such as ``horovodrun`` starts, which report to the test through a JSON file).
+
+    ``record(label, fn)`` runs ``fn()`` now; ``case`` decorates a ``case_*(comm)`` function,
+    runs it now and records it under its name, which the test finds by name.
+    """
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self.report: dict[str, str] = {}
+
+    def record(self, label: str, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+            self.report[label] = "ok"
+        except Exception as exc:  # noqa: BLE001 - recorded per check
+            self.report[label] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
+
+    def case(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        self.record(fn.__name__, lambda: fn(self.comm))
+        return fn
+
+
 # ------------------------------------------- cases under a launcher of the caller's
 def worker_command(module_file: str | Path, out_dir: str | Path,
                    cases: Sequence[CaseRef]) -> list[str]:

@@ -32,7 +32,7 @@ import horovod_compress as hvdc  # noqa: E402
 import horovod_compress.keras as hvdc_keras  # noqa: E402
 from horovod_compress.bench.digits import dense_bytes_per_step  # noqa: E402
 from horovod_compress.bench.digits_keras import make_keras_mlp, train_digits_keras  # noqa: E402
-from horovod_compress.testing import run_cases  # noqa: E402
+from horovod_compress.testing import run_cases, value_error_messages  # noqa: E402
 
 
 # --------------------------------------------------------------------------- cases
@@ -201,21 +201,15 @@ def case_callbacks(comm):
         assert np.isclose(h["hvdc_compression_ratio"][e], 4 * dense_step / h["hvdc_bytes_sent"][e])
     assert 0.05 < h["hvdc_compression_error"][1] < 1.5, h["hvdc_compression_error"]
     assert h["hvdc_check_bytes_sent"][1] == 3 * 2.0 * n * 8 * (p - 1) / p  # steps 5, 6, 8
-    errors = []
-    for bad in (lambda: hvdc_keras.CompressionWarmupCallback(),
-                lambda: hvdc_keras.CompressionWarmupCallback(steps=2, epochs=1),
-                lambda: hvdc_keras.CompressionWarmupCallback(steps=-1),
-                lambda: hvdc_keras.CompressionStatsCallback(error_every=-2),
-                lambda: hvdc_keras.DistributedOptimizer("sgd"),
-                lambda: hvdc_keras.DistributedOptimizer(keras.optimizers.SGD(), compression="topk"),
-                lambda: hvdc_keras.DistributedOptimizer(keras.optimizers.SGD(),
-                                                        backward_passes_per_step=0, comm=comm)):
-        try:
-            bad()
-        except ValueError as exc:
-            errors.append(str(exc))
-        else:
-            raise AssertionError("bad argument accepted")
+    errors = value_error_messages([
+        lambda: hvdc_keras.CompressionWarmupCallback(),
+        lambda: hvdc_keras.CompressionWarmupCallback(steps=2, epochs=1),
+        lambda: hvdc_keras.CompressionWarmupCallback(steps=-1),
+        lambda: hvdc_keras.CompressionStatsCallback(error_every=-2),
+        lambda: hvdc_keras.DistributedOptimizer("sgd"),
+        lambda: hvdc_keras.DistributedOptimizer(keras.optimizers.SGD(), compression="topk"),
+        lambda: hvdc_keras.DistributedOptimizer(keras.optimizers.SGD(),
+                                                backward_passes_per_step=0, comm=comm)])
     return {"loss": h["loss"], "error": h["hvdc_compression_error"], "bad_args": len(errors)}
 
 

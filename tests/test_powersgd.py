@@ -25,6 +25,7 @@ import pytest
 import horovod_compress as hvdc
 from horovod_compress.compressors.lowrank_common import orthogonalize, should_compress
 from horovod_compress.compressors.powersgd import PowerSGD
+from horovod_compress.mpi_collectives.accounting import allreduce_volume
 from horovod_compress.testing import low_rank_gradient, relative_error, run_cases, same_on_all_ranks
 
 
@@ -50,6 +51,13 @@ class _Bucket:
 
     def parameters(self):
         return []
+
+
+def _torch_hook(ph, state, g, k):
+    """torch's powerSGD_hook on gradient ``g`` as bucket ``k`` of TORCH_SHAPES, as a NumPy array."""
+    import torch
+    bucket = _Bucket(k, torch.from_numpy(g.copy()), last=k == len(TORCH_SHAPES) - 1)
+    return ph.powerSGD_hook(state, bucket).wait().view(g.shape).numpy().copy()
 
 
 def _init_torch_dist(comm):
@@ -103,15 +111,14 @@ def case_powersgd_matches_torch(comm):
         for step in range(1, steps + 1):
             for k, shape in enumerate(TORCH_SHAPES):
                 g = low_rank_gradient(shape, comm.rank, step, k, seed=seed, dtype=dtype)
-                bucket = _Bucket(k, torch.from_numpy(g.copy()), last=k == len(TORCH_SHAPES) - 1)
-                theirs = ph.powerSGD_hook(state, bucket).wait().view(shape).numpy().copy()
+                theirs = _torch_hook(ph, state, g, k)
                 mine = ours.allreduce(g, f"t{k}", comm)
                 assert mine.shape == theirs.shape and mine.dtype == theirs.dtype
                 err = relative_error(mine, theirs)
                 worst = max(worst, err)
                 assert same_on_all_ranks(comm, mine)
                 if step > start and ours.expected_bytes(shape, comm.size) < \
-                        2.0 * np.prod(shape) * dtype.itemsize * (comm.size - 1) / comm.size:
+                        allreduce_volume(np.prod(shape) * dtype.itemsize, comm.size):
                     compressed += 1
         if rank == 4 and warm:
             # control: the same algorithm with our own Q stream is far from torch's outputs
@@ -124,8 +131,7 @@ def case_powersgd_matches_torch(comm):
             for step in range(1, start + 2):
                 for k, shape in enumerate(TORCH_SHAPES):
                     g = low_rank_gradient(shape, comm.rank, step, k, seed=seed, dtype=dtype)
-                    b = _Bucket(k, torch.from_numpy(g.copy()), last=k == len(TORCH_SHAPES) - 1)
-                    theirs = ph.powerSGD_hook(ph_state, b).wait().view(shape).numpy().copy()
+                    theirs = _torch_hook(ph, ph_state, g, k)
                     diff = max(diff, relative_error(control.allreduce(g, f"t{k}", comm), theirs))
             out["control_shared_q_init_rel"] = diff
         tol = 1e-9 if dtype == np.float64 else 2e-4

@@ -34,6 +34,18 @@ def _topk_idx(x: np.ndarray, k: int) -> np.ndarray:
     return np.sort(np.argpartition(np.abs(x), x.size - k)[x.size - k:])
 
 
+def _assert_sum_of_local_topk(comm, out, x, k):
+    """Assert ``out`` = sum over ranks of Topk(x_i) / P (the TopkDSA result); returns all ranks'
+    x and that sum (before the division)."""
+    xs = comm.allgather(x)
+    ref = np.zeros(x.size)
+    for xi in xs:
+        t = _topk_idx(xi, k)
+        ref[t] += xi[t]
+    np.testing.assert_allclose(out, ref / comm.size, rtol=1e-6)
+    return xs, ref
+
+
 def _call(comm, method, x, name):
     """Run one allreduce; return (out, bytes sent, bytes received, per-phase stats) of it alone."""
     comm.reset_stats()
@@ -54,12 +66,7 @@ def case_topk_dsa_sparse_regime(comm):
     x[support] = (5 + rng.random(k)).astype(np.float32)   # the same top-k on every rank
     m = hvdc.Compression.topk_dsa(density=density)
     out, sent, received, phases = _call(comm, m, x, "w")
-    xs = comm.allgather(x)
-    ref = np.zeros(n)
-    for xi in xs:
-        t = _topk_idx(xi, k)
-        ref[t] += xi[t]
-    np.testing.assert_allclose(out, ref / p, rtol=1e-6)
+    xs, ref = _assert_sum_of_local_topk(comm, out, x, k)
     assert same_on_all_ranks(comm, out), "ranks disagree on the result"
     resid = m.state["w"]["fb_residual"]
     expected = x.copy()
@@ -89,12 +96,7 @@ def case_topk_dsa_fill_in(comm):
     x[mine] = (3 + rng.random(mine.size)).astype(np.float32)
     m = hvdc.Compression.topk_dsa(density=density)
     out, sent, received, phases = _call(comm, m, x, "w")
-    xs = comm.allgather(x)
-    ref = np.zeros(n)
-    for xi in xs:
-        t = _topk_idx(xi, k)
-        ref[t] += xi[t]
-    np.testing.assert_allclose(out, ref / p, rtol=1e-6)
+    xs, ref = _assert_sum_of_local_topk(comm, out, x, k)
     ag = phases["topk_dsa.allgatherv"]
     # sparse would be 2 * nnz words per region; dense is the region itself: DSA takes the min
     bounds = uniform_boundaries(n, p)

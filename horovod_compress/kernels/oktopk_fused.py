@@ -50,6 +50,18 @@ def _hit_mask64(acc: np.ndarray, i: np.uint64, th: float, z: float) -> np.uint64
 
 
 @njit(cache=True, inline="always")
+def _emit_if_hit(v: float, i: np.uint64, th: float, z: float, out_idx: np.ndarray,
+                 out_val: np.ndarray, w: int) -> int:
+    """Append (i, v) if ``|v| >= th`` and ``v != 0`` (counting past the buffers' end); the new count."""
+    if abs(v) >= th and v != z:
+        if w < out_idx.size:
+            out_idx[w] = i
+            out_val[w] = v
+        w += 1
+    return w
+
+
+@njit(cache=True, inline="always")
 def _emit_hits(m: np.uint64, base: np.uint64, acc: np.ndarray, out_idx: np.ndarray,
                out_val: np.ndarray, w: int) -> int:
     """Append the hits of the 64-bit mask ``m`` (bit j: element base + j) to the COO buffers,
@@ -78,7 +90,6 @@ def _add_select(x, e, acc, th, out_idx, out_val, xb, expmask, finite):
     NaN) -- a vector min on data already in registers, not a second read.
     """
     n = np.uint64(x.size)
-    cap = out_idx.size
     w = 0
     i = np.uint64(0)
     z = acc.dtype.type(0)
@@ -94,11 +105,7 @@ def _add_select(x, e, acc, th, out_idx, out_val, xb, expmask, finite):
         v = x[i] + e[i]
         acc[i] = v
         low = min(low, (~xb[i]) & expmask)
-        if abs(v) >= th and v != z:
-            if w < cap:
-                out_idx[w] = i
-                out_val[w] = v
-            w += 1
+        w = _emit_if_hit(v, i, th, z, out_idx, out_val, w)
         i += np.uint64(1)
     finite[0] = low != 0
     return w
@@ -108,7 +115,6 @@ def _add_select(x, e, acc, th, out_idx, out_val, xb, expmask, finite):
 def _select(acc, th, out_idx, out_val):
     """:func:`_add_select` without the addition (``acc`` only read)."""
     n = np.uint64(acc.size)
-    cap = out_idx.size
     w = 0
     i = np.uint64(0)
     z = acc.dtype.type(0)
@@ -116,12 +122,7 @@ def _select(acc, th, out_idx, out_val):
         w = _emit_hits(_hit_mask64(acc, i, th, z), i, acc, out_idx, out_val, w)
         i += np.uint64(64)
     while i < n:
-        v = acc[i]
-        if abs(v) >= th and v != z:
-            if w < cap:
-                out_idx[w] = i
-                out_val[w] = v
-            w += 1
+        w = _emit_if_hit(acc[i], i, th, z, out_idx, out_val, w)
         i += np.uint64(1)
     return w
 

@@ -16,7 +16,6 @@ runs every check on import), so it is not a test module.
 import json
 import os
 import sys
-import traceback
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -26,30 +25,15 @@ import tensorflow as tf  # noqa: E402
 
 import horovod_compress as hvdc  # noqa: E402
 import horovod_compress.tensorflow as hvdc_tf  # noqa: E402
-from horovod_compress.testing import same_on_all_ranks  # noqa: E402
+from horovod_compress.testing import CheckRecorder, same_on_all_ranks  # noqa: E402
 
 hvd.init()
 hvdc_tf.init()
 comm = hvdc_tf.communicator()
 RANK, SIZE = comm.rank, comm.size
-report: dict[str, str] = {}
 STEPS = 3
-
-
-def record(label, fn):
-    """Run ``fn()`` now; the report holds ``"ok"`` or the error under ``label``."""
-    try:
-        fn()
-        report[label] = "ok"
-    except Exception as exc:  # noqa: BLE001 - recorded per check
-        report[label] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
-
-
-def case(fn):
-    """Run the check ``fn(comm)`` now, reported under its function name (``case_*``, found by
-    name by the test)."""
-    record(fn.__name__, lambda: fn(comm))
-    return fn
+_checks = CheckRecorder(comm)          # each check "ok" or its error, by name
+report, record, case = _checks.report, _checks.record, _checks.case
 
 
 def variables():

@@ -17,7 +17,6 @@ a test module.
 import json
 import os
 import sys
-import traceback
 
 os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")
 
@@ -28,31 +27,16 @@ import torch  # noqa: E402
 import horovod_compress as hvdc  # noqa: E402
 import horovod_compress.torch as hvdc_torch  # noqa: E402
 from horovod_compress.mpi_collectives import Communicator  # noqa: E402
-from horovod_compress.testing import same_on_all_ranks  # noqa: E402
+from horovod_compress.testing import CheckRecorder, same_on_all_ranks  # noqa: E402
 
 hvd.init()
 hvdc_torch.init()
 torch.set_num_threads(1)
 comm = hvdc_torch.communicator()
 RANK, SIZE = comm.rank, comm.size
-report: dict[str, str] = {}
 STEPS = 3
-
-
-def record(label, fn):
-    """Run ``fn()`` now; the report holds ``"ok"`` or the error under ``label``."""
-    try:
-        fn()
-        report[label] = "ok"
-    except Exception as exc:  # noqa: BLE001 - recorded per check
-        report[label] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
-
-
-def case(fn):
-    """Run the check ``fn(comm)`` now, reported under its function name (``case_*``, found by
-    name by the test)."""
-    record(fn.__name__, lambda: fn(comm))
-    return fn
+_checks = CheckRecorder(comm)          # each check "ok" or its error, by name
+report, record, case = _checks.report, _checks.record, _checks.case
 
 
 def model_pair(seed=0):
