@@ -306,6 +306,7 @@ class CheckRecorder:
         self.report: dict[str, str] = {}
 
     def record(self, label: str, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` now; ``report[label]`` becomes ``"ok"`` or the error and its traceback."""
         try:
             fn()
             self.report[label] = "ok"
@@ -313,6 +314,7 @@ class CheckRecorder:
             self.report[label] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
 
     def case(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """Decorator: run ``fn(comm)`` now, recorded under ``fn.__name__``; returns ``fn``."""
         self.record(fn.__name__, lambda: fn(self.comm))
         return fn
 
