@@ -49,8 +49,13 @@ quantity, so a preset stays the textbook model):
   gap)``). Without it every sub-megabyte exchange is over-predicted at 100
   Mbit (Rand-K's 0.46 MB allreduce at P = 2: 37 ms at the full link rate,
   21 ms measured).
-* **Each collective kind at its own measured rate and alpha**; an operation
-  without a probe of its own takes the nearest one's (:data:`PROBE_OF`).
+* **Each collective kind at its own measured rate and alpha, the rate at
+  each message size** (``Network.efficiency_curve``): every op is probed at
+  several sizes and a call is priced at the rate probed for its own size
+  (log-linear between two). On the testbed a 1 MB allreduce at P = 2 reached
+  0.90 of 1 Gbit and a 16 MB one 0.62, so PowerSGD's 72 factor allreduces and
+  a dense 46 MB one cannot share one rate. An operation without a probe of
+  its own takes the nearest one's (:data:`PROBE_OF`).
 * **The transport that really carried the bytes.** A method may run an
   allreduce as its own pipelined ring of point-to-point messages
   (``reduce_ops.ring_reduce_once``: Global-QSGD's 8-bit exponential payload,
@@ -58,7 +63,9 @@ quantity, so a preset stays the textbook model):
   allreduce's (2N(P-1)/P per rank), but they cross the links as eager
   point-to-point segments, so the profile lists them under the op
   :data:`RING`: ``2 (P-1)`` latency rounds (Patarasuk & Yuan's ring, one
-  pipeline start per step) and the point-to-point probe's alpha and rate.
+  pipeline start per step) at the ring's own probe (the same ring over a
+  whole message; the point-to-point probe's alpha and rate where a run has
+  no ring probe).
 * **Work that hides the wire** (``StepProfile.overlap_s``): that ring runs the
   method's quantization, reduction and dequantization between its progress
   calls while segments are on the wire, so a rank is inside MPI only for the
@@ -80,7 +87,10 @@ quantity, so a preset stays the textbook model):
   ``g`` between the method's calls (its compression CPU time / its calls),
   log-linear between the probed lengths. A call then costs
   ``rounds x alpha_op + w(g)``: the wait is once per call (the ranks arrive
-  once), not once per round.
+  once), not once per round. ``g`` is each call's own (``StepProfile.call_gaps``,
+  the CPU work before it, recorded per call): ``w`` is concave, so a step of
+  one long gap (forward and backward) and many short ones (a low-rank method's
+  per-tensor calls) waits far less than as many calls at the mean gap.
 
 To extrapolate to other P, a method's bytes per step scale with its
 algorithm's volume law (Table 1): allreduce-like volume ``(P-1)/P``
@@ -113,21 +123,30 @@ class Network:
     #: (CPU work between calls in s, mean wait for peers per call in s), ascending in work: the
     #: interleaved probe at several spacings of calls; replaces the floors above when set
     call_wait_curve: tuple[tuple[float, float], ...] = ()
+    #: per operation, (bytes moved per rank in one call, eta) ascending in bytes: the op's probes at
+    #: several message sizes; :meth:`eta` reads it log-linearly and falls back on :attr:`efficiency`
+    efficiency_curve: Mapping[str, tuple[tuple[float, float], ...]] = field(default_factory=dict)
+
+    def eta(self, op: str, nbytes: float) -> float:
+        """Fraction of the link one ``op`` call moving ``nbytes`` per rank reaches.
+
+        The op's :attr:`efficiency_curve` (its own, else :data:`PROBE_OF`'s) at
+        ``nbytes``: the nearest probed size beyond the ends, log-linear between
+        two; without a curve the single :attr:`efficiency` (1 where absent).
+        MPI's algorithms and TCP's congestion window behave differently for a
+        message of a few hundred kilobytes and one of tens of megabytes on the
+        same link, so one rate per op cannot price both.
+        """
+        curve = self.efficiency_curve.get(op) or self.efficiency_curve.get(PROBE_OF.get(op, ""))
+        if not curve:
+            return _per_op(self.efficiency, op, 1.0)
+        return _log_linear(curve, nbytes)
 
     def call_wait(self, gap: float) -> float:
         """Mean wait for peers of one call issued after ``gap`` seconds of CPU work
         (:attr:`call_wait_curve`: the nearest probed spacing, log-linear between two, constant
         beyond the ends; 0 without a curve)."""
-        curve = self.call_wait_curve
-        if not curve:
-            return 0.0
-        if gap <= curve[0][0] or len(curve) == 1:
-            return curve[0][1]
-        for (g0, f0), (g1, f1) in zip(curve, curve[1:]):
-            if gap <= g1:
-                w = math.log(gap / g0) / math.log(g1 / g0) if g1 > g0 > 0 else 1.0
-                return f0 + w * (f1 - f0)
-        return curve[-1][1]
+        return _log_linear(self.call_wait_curve, gap) if self.call_wait_curve else 0.0
 
     def rounds(self, op: str, world_size: int, message_bytes: float) -> float:
         """Latency rounds of one ``op`` call moving ``message_bytes`` per rank (volume model).
@@ -178,6 +197,18 @@ def network_from(preset: str | None = None, latency: str | None = None,
     if bandwidth is not None:
         net = replace(net, bandwidth=parse_rate(bandwidth), name=f"{net.name}, {bandwidth}")
     return net
+
+
+def _log_linear(curve: Sequence[tuple[float, float]], x: float) -> float:
+    """``curve`` (ascending ``(x_i, y_i)`` pairs) at ``x``: linear in ``log x`` between two
+    points, the end value beyond either end."""
+    if x <= curve[0][0] or len(curve) == 1:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            w = math.log(x / x0) / math.log(x1 / x0) if x1 > x0 > 0 else 1.0
+            return y0 + w * (y1 - y0)
+    return curve[-1][1]
 
 
 def _log2(p: int) -> float:
@@ -240,6 +271,18 @@ class StepProfile:
     #: per operation, wall seconds of the method's own work run between that op's progress
     #: calls while its bytes are on the wire (the pipelined ring's quantize/reduce/dequantize)
     overlap_s: dict[str, float] = field(default_factory=dict)
+    #: per operation, the CPU seconds of the method's own work before each call (since the
+    #: previous call, or since the step began for the first), parallel to :attr:`call_bytes`,
+    #: where recorded; otherwise the compression time is taken as spread evenly over the calls
+    call_gaps: dict[str, list[float]] = field(default_factory=dict)
+
+    def gaps_of(self, op: str, count: int, default: float) -> list[float]:
+        """CPU work before each of ``count`` ``op`` calls: recorded (:attr:`call_gaps`) when it
+        matches the calls :meth:`calls_of` lists, else ``default`` for each."""
+        recorded = self.call_gaps.get(op)
+        if recorded and len(recorded) == count and self.call_bytes.get(op):
+            return list(recorded)
+        return [default] * count
 
     def calls_of(self, op: str) -> tuple[list[float], float]:
         """(bytes of each ``op`` call in one step, how many calls each entry stands for).
@@ -278,7 +321,7 @@ class StepProfile:
                 peers = _LAWS["tree"] if VOLUME_LAW.get(self.method) == "tree" else (lambda p: float(p - 1))
                 calls = o.calls * peers(world_size) / max(peers(self.world_size), 1e-12)
             ops[name] = OpCount(calls, o.sent * factor, o.received * factor)
-        return replace(self, world_size=world_size, ops=ops, call_bytes={})
+        return replace(self, world_size=world_size, ops=ops, call_bytes={}, call_gaps={})
 
 
 @dataclass
@@ -299,7 +342,8 @@ class Prediction:
         return self.compute_s + self.compress_s + self.comm_s
 
 
-#: Operations without a probe of their own take the measured constants of the closest one.
+#: Operations without a probe of their own take the measured constants of the closest one
+#: (the pipelined ring, where the testbed has no probe of the ring itself, the point to point).
 PROBE_OF: dict[str, str] = {"allgather": "allgatherv", "allgather_object": "allgatherv",
                             "alltoall": "alltoallv", "broadcast": "p2p", "barrier": "allreduce",
                             RING: "p2p"}
@@ -317,18 +361,23 @@ def predict(profile: StepProfile, network: Network, world_size: int | None = Non
     Per call ``i`` of an operation moving ``L_i`` bytes per rank (the volume
     model's ``max(sent, received)``):
 
-        latency_i  = rounds(op, P, L_i) * alpha_op + w(g)                with a wait curve,
+        latency_i  = rounds(op, P, L_i) * alpha_op + w(g_i)              with a wait curve,
                      rounds(op, P, L_i) * max(alpha_op, round_latency)  with a round floor,
                      max(rounds(op, P, L_i) * alpha_op, call_latency)   otherwise
-        transfer_i = max(0, L_i - tokens_i) / (eta_op * B)
+        transfer_i = max(0, L_i - tokens_i) / (eta_op(L_i) * B)
         T_op       = max(0, sum_i (latency_i + transfer_i) - W_op)
 
-    ``alpha_op``/``eta_op``: the op's own probe, else :data:`PROBE_OF`'s
-    (the pipelined ring, op :data:`RING`, takes the point-to-point probe's).
-    ``w(g)``: :meth:`Network.call_wait` at ``g``, the CPU work between two
-    calls (the profile's compression time spread evenly over its calls).
+    ``alpha_op``: the op's own probe, else :data:`PROBE_OF`'s (the pipelined
+    ring, op :data:`RING`, takes its own ring probe's where the network has
+    one, else the point-to-point probe's); ``eta_op(L)``: :meth:`Network.eta`,
+    the op's rate at that message size. ``g_i``: the CPU work before call
+    ``i`` (:meth:`StepProfile.gaps_of`: recorded per call, else the profile's
+    compression time spread evenly over its calls); ``w(g)``:
+    :meth:`Network.call_wait`. The wait for peers grows with the work before
+    a call and flattens out (a concave curve), so a step of a few long gaps
+    and many short ones waits far less than as many calls at the mean gap.
     ``tokens_i = B`` (no bucket) on a network without ``burst_bytes``; with one,
-    the bucket starts full and refills at ``B`` during those ``g`` seconds.
+    the bucket starts full and refills at ``B`` during those ``g_i`` seconds.
     ``W_op``: :attr:`StepProfile.overlap_s`, the method's work that runs
     while the op's bytes are on the wire (0 for MPI's own collectives); what it
     covers comes off the transfer first, then off the latency.
@@ -338,19 +387,17 @@ def predict(profile: StepProfile, network: Network, world_size: int | None = Non
     rate = network.bytes_per_second
     per_op = {name: prof.calls_of(name) for name in prof.ops}
     n_calls = sum(len(v[0]) for v in per_op.values())
-    gap = prof.compress_s / n_calls if n_calls else 0.0
-    wait = network.call_wait(gap)
+    mean_gap = prof.compress_s / n_calls if n_calls else 0.0
     bucket = network.burst_bytes
     tokens = bucket
     latency = transfer = 0.0
     for name, (sizes, weight) in per_op.items():
         alpha = _per_op(network.op_alpha, name, network.alpha)
-        eta = _per_op(network.efficiency, name, 1.0)
         op_latency = op_transfer = 0.0
-        for nbytes in sizes:
+        for nbytes, gap in zip(sizes, prof.gaps_of(name, len(sizes), mean_gap)):
             rounds = network.rounds(name, p, nbytes)
             if network.call_wait_curve:
-                op_latency += weight * (rounds * alpha + wait)
+                op_latency += weight * (rounds * alpha + network.call_wait(gap))
             elif network.round_latency > 0:
                 op_latency += weight * rounds * max(alpha, network.round_latency)
             else:
@@ -361,7 +408,7 @@ def predict(profile: StepProfile, network: Network, world_size: int | None = Non
                 tokens = max(0.0, tokens - nbytes)
             else:
                 waiting = nbytes
-            op_transfer += waiting / (eta * rate)
+            op_transfer += waiting / (network.eta(name, nbytes) * rate)
         hidden = prof.overlap_s.get(name, 0.0)
         cut = min(hidden, op_transfer)
         op_transfer -= cut
@@ -401,7 +448,8 @@ def break_even_bandwidth(profile: StepProfile, dense: StepProfile, network: Netw
 def fit_link(nominal_bandwidth: float, probes: Mapping[str, tuple[float, float, float, float]],
              call_latency: float = 0.0, *, ring_from: float | None = None, burst_bytes: float = 0.0,
              small_bytes: float = 8.0,
-             call_latency_curve: Sequence[tuple[float, float]] = ()) -> Network:
+             call_latency_curve: Sequence[tuple[float, float]] = (),
+             size_probes: Mapping[str, Sequence[tuple[float, float]]] | None = None) -> Network:
     """A :class:`Network` fitted to measurements on a testbed, per operation.
 
     ``probes[op] = (small_seconds, large_seconds, large_bytes, world_size)``:
@@ -412,6 +460,8 @@ def fit_link(nominal_bandwidth: float, probes: Mapping[str, tuple[float, float, 
     at 1). The link rate itself stays the nominal one, so a preset's
     efficiency says how much of it MPI's algorithm actually reaches.
 
+    The ring's own probe (op :data:`RING`, where present) is a whole
+    pipelined ring for the large message and a ring shift (one round) for the small one.
     ``call_latency``: one tiny allreduce's time between bursts of CPU work. With
     ``ring_from`` (the size from which the MPI runs the ring allreduce) rounds
     follow the algorithm really run (:meth:`Network.rounds`) and
@@ -423,17 +473,32 @@ def fit_link(nominal_bandwidth: float, probes: Mapping[str, tuple[float, float, 
     less the tiny allreduce's own rounds x alpha (the allreduce probe's) is the
     wait for peers per call, ``Network.call_wait_curve``, which :func:`predict`
     reads at each method's own spacing of calls.
+    ``size_probes[op]``: further ``(bytes per rank, seconds)`` calls of ``op`` at
+    other message sizes; each gives an eta as the large one does (a size within
+    the token bucket says nothing about the rate and is left out), and together
+    they make ``Network.efficiency_curve[op]``, eta against the bytes of a call.
     """
     shape = Network("", 0.0, nominal_bandwidth, ring_from=ring_from)
-    op_alpha, eff = {}, {}
+    op_alpha: dict[str, float] = {}
+    eff: dict[str, float] = {}
+    curves: dict[str, tuple[tuple[float, float], ...]] = {}
     for op, (t_small, t_large, nbytes, p) in probes.items():
         # the p2p probe is a ring shift: every rank sends one message and receives one, i.e. two
         # p2p calls of half a round each -- one round (before, it was taken as half a round)
-        rounds = 1.0 if op == "p2p" else (shape.rounds(op, int(p), small_bytes) if ring_from is not None
+        rounds = 1.0 if op in ("p2p", RING) else (shape.rounds(op, int(p), small_bytes) if ring_from is not None
                                           else ROUNDS.get(op, _log2)(int(p))) or 1.0
         op_alpha[op] = t_small / rounds
-        ideal = max(nbytes - burst_bytes, 0.0) / (nominal_bandwidth / 8.0)
-        eff[op] = min(1.0, ideal / max(t_large - t_small, 1e-12))
+
+        def eta(nbytes: float, seconds: float) -> float:
+            ideal = max(nbytes - burst_bytes, 0.0) / (nominal_bandwidth / 8.0)
+            return min(1.0, ideal / max(seconds - t_small, 1e-12))
+        eff[op] = eta(nbytes, t_large)
+        points = {float(nbytes): eff[op]}
+        for b, t in (size_probes or {}).get(op, ()):
+            if b > burst_bytes and b != nbytes:
+                points[float(b)] = eta(b, t)
+        if len(points) > 1:
+            curves[op] = tuple(sorted(points.items()))
     alpha = op_alpha.get("allreduce", min(op_alpha.values()) if op_alpha else 0.0)
     round_latency = 0.0
     curve: tuple[tuple[float, float], ...] = ()
@@ -448,4 +513,4 @@ def fit_link(nominal_bandwidth: float, probes: Mapping[str, tuple[float, float, 
     return Network("testbed (fitted)", alpha, nominal_bandwidth, "fitted per operation on the emulated cluster",
                    efficiency=eff, op_alpha=op_alpha, call_latency=call_latency if round_latency == 0 else 0.0,
                    round_latency=round_latency, burst_bytes=burst_bytes, ring_from=ring_from,
-                   call_wait_curve=curve)
+                   call_wait_curve=curve, efficiency_curve=curves)

@@ -228,6 +228,17 @@ def test_bench_e2e_writes_its_tables(tmp_path):
     calls = json.loads((out / "e2e_calls.json").read_text())["tiny"]["2"]
     assert set(calls) == {"none", "topk", "oktopk"}
     assert all(m["predicted"]["call_sizes"] == "recorded" for m in run["methods"].values() if m["ops"])
+    # ... with the CPU work before each call beside each call's size
+    for label, ops in calls.items():
+        for op, sizes in ops.items():
+            if not op.endswith("@gap_s"):
+                gaps = ops[op + "@gap_s"]
+                assert len(gaps) == len(sizes) and all(g >= 0 for g in gaps), (label, op)
+    # every collective and the pipelined ring were probed at several sizes: a rate per message size
+    for op in ("allreduce", "allgather", "p2p", "ring"):
+        curve = run["link"][op]["efficiency_curve"]
+        assert len(curve) >= 2 and all(0 < eta <= 1 for _, eta in curve), (op, curve)
+        assert [b for b, _ in curve] == sorted(b for b, _ in curve)
     assert run["burst_bytes"] > 0 and run["load_before"] >= 0 and run["load_after"] >= 0
     assert (out / "e2e.png").stat().st_size > 1000
     assert "Speedup of a whole step over dense" in (out / "e2e.md").read_text()

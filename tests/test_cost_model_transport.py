@@ -183,3 +183,72 @@ def test_a_ring_call_through_the_items_variant_counts_once(monkeypatch):
         reduce_ops.ring_reduce_once(comm, 1000, busy, np.zeros(1000, np.uint8), lambda a, b, o, lo, hi: 0)
     assert ring.calls == 1 and ring.sent == 1000.0 and ring.inside == 0
     assert comm.stats()["by_op"]["allreduce"]["calls"] == 1
+
+
+def test_each_call_is_priced_at_the_rate_probed_for_its_size():
+    # allreduce probed at 1 MB (eta 0.9) and 16 MB (eta 0.6) per rank; no bucket
+    probes = {"allreduce": (2e-5, 2e-5 + 16e6 / (0.6 * BPS), 16e6, 2)}
+    net = fit_link(RATE, probes, ring_from=65536, size_probes={"allreduce": [(1e6, 2e-5 + 1e6 / (0.9 * BPS))]})
+    assert net.efficiency["allreduce"] == pytest.approx(0.6)
+    assert [b for b, _ in net.efficiency_curve["allreduce"]] == [1e6, 16e6]
+    assert net.eta("allreduce", 1e6) == pytest.approx(0.9)
+    assert net.eta("allreduce", 1e5) == pytest.approx(0.9)        # below the probed sizes: the smallest's
+    assert net.eta("allreduce", 4e6) == pytest.approx(0.9 - 0.3 * 0.5)   # log-linear: 4 MB is half way
+    assert net.eta("allreduce", 1e9) == pytest.approx(0.6)
+    assert net.eta("barrier", 4e6) == pytest.approx(0.75)         # PROBE_OF: a barrier takes the allreduce's
+    # 72 calls of 0.14 MB (PowerSGD's factors) move at the small-message rate, one 46 MB call at the large
+    small = StepProfile("powersgd", 2, 0.1, 0.0, {"allreduce": OpCount(72, 72 * 1.4e5, 72 * 1.4e5)},
+                        call_bytes={"allreduce": [1.4e5] * 72})
+    assert predict(small, net).transfer_s == pytest.approx(72 * 1.4e5 / (0.9 * BPS))
+    big = StepProfile("none", 2, 0.1, 0.0, {"allreduce": OpCount(1, 4.6e7, 4.6e7)})
+    assert predict(big, net).transfer_s == pytest.approx(4.6e7 / (0.6 * BPS))
+    # a size within the token bucket says nothing about the rate: left out of the curve
+    bucket = fit_link(RATE, probes, ring_from=65536, burst_bytes=262144.0,
+                      size_probes={"allreduce": [(2e5, 1e-3)]})
+    assert "allreduce" not in bucket.efficiency_curve
+    # runs without size probes: one rate per op, as before
+    assert fit_link(RATE, probes, ring_from=65536).efficiency_curve == {}
+
+
+def test_the_ring_takes_its_own_probe_where_there_is_one():
+    n = 16 * 2**20
+    probes = {"p2p": (25e-6, 25e-6 + n / (0.9 * BPS), n, 2), RING: (25e-6, 25e-6 + n / (0.7 * BPS), n, 2)}
+    net = fit_link(RATE, probes, ring_from=65536)
+    assert net.op_alpha[RING] == pytest.approx(25e-6)             # its small probe is one shift: one round
+    assert net.efficiency[RING] == pytest.approx(0.7)
+    ring = StepProfile("fp16", 2, 0.1, 0.0, {RING: OpCount(1, 2.3e7, 2.3e7)})
+    assert predict(ring, net).transfer_s == pytest.approx(2.3e7 / (0.7 * BPS))
+    no_ring_probe = fit_link(RATE, {"p2p": probes["p2p"]}, ring_from=65536)
+    assert predict(ring, no_ring_probe).transfer_s == pytest.approx(2.3e7 / (0.9 * BPS))
+
+
+def test_recorded_gaps_wait_per_call_not_at_the_mean_gap():
+    curve = ((1e-4, 1e-4), (1e-3, 1e-3), (1e-2, 1.5e-3))   # concave: waits flatten for long gaps
+    net = Network("t", 0.0, RATE, ring_from=65536, call_wait_curve=curve)
+    # 10 calls with 20.45 ms of CPU work in all: one long gap (after backward) and nine short ones
+    gaps = [0.02] + [5e-5] * 9
+    sizes = [1e3] * 10
+    recorded = StepProfile("m", 4, 0.1, sum(gaps), {"allreduce": OpCount(10, 1e4, 1e4)},
+                           call_bytes={"allreduce": sizes}, call_gaps={"allreduce": gaps})
+    mean = StepProfile("m", 4, 0.1, sum(gaps), {"allreduce": OpCount(10, 1e4, 1e4)},
+                       call_bytes={"allreduce": sizes})
+    assert predict(recorded, net).latency_s == pytest.approx(1.5e-3 + 9 * 1e-4)
+    assert predict(mean, net).latency_s == pytest.approx(10 * net.call_wait(sum(gaps) / 10))
+    assert predict(recorded, net).latency_s < 0.3 * predict(mean, net).latency_s
+    # gaps that do not match the calls (another step's log) are ignored
+    stale = StepProfile("m", 4, 0.1, sum(gaps), {"allreduce": OpCount(10, 1e4, 1e4)},
+                        call_bytes={"allreduce": sizes}, call_gaps={"allreduce": gaps[:3]})
+    assert predict(stale, net).latency_s == pytest.approx(predict(mean, net).latency_s)
+    # extrapolated to another P: the recorded calls no longer apply
+    assert recorded.scaled(8).call_gaps == {}
+
+
+def test_profile_reads_the_recorded_gaps_beside_the_sizes():
+    from horovod_compress.bench.e2e_calls import GAP_SUFFIX
+    m = {"compute_cpu_s": 0.1, "compress_cpu_s": 0.05,
+         "ops": {"allreduce": {"calls": 2.0, "sent": 3e3, "received": 3e3}}}
+    prof = profile_of("powersgd", m, 2, {"allreduce": [1e3, 2e3], "allreduce" + GAP_SUFFIX: [0.04, 1e-4]})
+    assert prof.call_bytes == {"allreduce": [1e3, 2e3]} and prof.call_gaps == {"allreduce": [0.04, 1e-4]}
+    assert prof.gaps_of("allreduce", 2, 0.5) == [0.04, 1e-4]
+    old = profile_of("powersgd", m, 2, {"allreduce": [1e3, 2e3]})      # a log without gaps
+    assert old.call_gaps == {} and old.gaps_of("allreduce", 2, 0.5) == [0.5, 0.5]

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cost_model import PROBE_OF, RING, OpCount, StepProfile, break_even_bandwidth, fit_link, predict
+from .e2e_calls import GAP_SUFFIX
 
 DEFAULT_BANDWIDTHS = ("100mbit", "1gbit", "10gbit")
 SHM = "shm"
@@ -49,7 +50,7 @@ TOLERANCE = 0.25
 #: from 64 KiB on (:data:`horovod_compress.cluster.launch.ALLREDUCE_RULES`): the model counts those rounds.
 RING_FROM = 65536
 #: The probes in the link table, in order (a run that lacks one shows '-').
-LINK_COLUMNS = ("p2p", "allreduce", "allgatherv", "allgather", "alltoallv", "broadcast")
+LINK_COLUMNS = ("p2p", "ring", "allreduce", "allgatherv", "allgather", "alltoallv", "broadcast")
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
             parse_rate(bw)
     calls_path = _calls_path(args)
     known = json.loads(calls_path.read_text()).get(args.model, {}) if calls_path.exists() else {}
-    missing = [p for p in args.hosts if any(_label(m) not in known.get(str(p), {}) for m in methods)]
+    missing = [p for p in args.hosts if any(not _has_calls(known.get(str(p), {}), _label(m)) for m in methods)]
     if missing:
         from .e2e_calls import record
         print(f"[e2e] recording each method's per-call message sizes at P={missing} on shared memory "
@@ -272,7 +273,7 @@ def profile_of(label: str, m: dict[str, Any], p: int,
             del ops[t["of"]]
         ops[name] = OpCount(t["calls"], t["sent"], t["received"])
         overlap[name] = float(t.get("work_s", 0.0))
-    sizes = {}
+    sizes, gaps = {}, {}
     for op, v in (calls or {}).items():
         o = ops.get(op)
         if o is None or len(v) != round(o.calls):
@@ -280,8 +281,18 @@ def profile_of(label: str, m: dict[str, Any], p: int,
         total = max(o.sent, o.received)
         if abs(sum(v) - total) <= 0.1 * max(total, 1.0):
             sizes[op] = [x * total / sum(v) if sum(v) > 0 else x for x in v]   # rescaled to the measured total
+            recorded = (calls or {}).get(op + GAP_SUFFIX)
+            if recorded and len(recorded) == len(v):
+                gaps[op] = [float(g) for g in recorded]
     return StepProfile(label.split("(")[0], p, m["compute_cpu_s"], m["compress_cpu_s"], ops, call_bytes=sizes,
-                       overlap_s=overlap)
+                       overlap_s=overlap, call_gaps=gaps)
+
+
+def _has_calls(recorded: dict[str, Any], label: str) -> bool:
+    """Whether ``recorded`` (one P of the call log) has ``label``'s calls with their CPU gaps
+    (a log written before the gaps were recorded is recorded again)."""
+    calls = recorded.get(label)
+    return calls is not None and (not calls or any(k.endswith(GAP_SUFFIX) for k in calls))
 
 
 def _label(spec: str) -> str:
@@ -327,9 +338,12 @@ def analyse(runs: list[dict[str, Any]], args: argparse.Namespace | None = None) 
                                     for op, v in probes.items()},
                           call_latency=inter.get("call_mean_s", inter.get("call_s", 0.0)),
                           ring_from=None if r["bandwidth"] == SHM else RING_FROM, burst_bytes=burst,
-                          call_latency_curve=curve)
+                          call_latency_curve=curve,
+                          size_probes={op: [(float(b), float(t)) for b, t in v.get("sizes", [])]
+                                       for op, v in probes.items()})
         r["link"] = {op: {"alpha_us": 1e6 * fitted.op_alpha[op], "efficiency": fitted.efficiency[op],
-                          "carried_gbit": v["large_bytes"] * 8 / v["large_s"] / 1e9}
+                          "carried_gbit": v["large_bytes"] * 8 / v["large_s"] / 1e9,
+                          "efficiency_curve": [list(c) for c in fitted.efficiency_curve.get(op, ())]}
                      for op, v in probes.items()}
         r["call_latency_us"] = 1e6 * inter.get("call_mean_s", inter.get("call_s", 0.0))
         r["round_latency_us"] = 1e6 * fitted.round_latency
@@ -444,6 +458,19 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
         cells = [f"{link[op]['carried_gbit']:.2f}" if op in link else "-" for op in LINK_COLUMNS]
         lines.append(f"| {r['world_size']} | {_fmt_bw(r['bandwidth'])} | " + " | ".join(cells) +
                      f" | {link['allreduce']['alpha_us']:.0f} |")
+    curves = [r for r in runs if any(v.get("efficiency_curve") for v in r["link"].values())]
+    if curves:
+        lines += ["", "The same calls at other message sizes, as the fraction of the nominal rate each reaches "
+                  "(eta, after the token bucket's burst; bytes per rank of one call), which the model reads at "
+                  "each call's own size; 'ring' is the pipelined point-to-point ring the 16-bit casts and "
+                  "Global-QSGD run:", "",
+                  "| P | link | op | eta at MB per rank |", "|---|---|---|---|"]
+        for r in curves:
+            for op in LINK_COLUMNS:
+                c = r["link"].get(op, {}).get("efficiency_curve")
+                if c:
+                    lines.append(f"| {r['world_size']} | {_fmt_bw(r['bandwidth'])} | {op} | " + ", ".join(
+                        f"{e:.2f} at {b / 1e6:.2g}" for b, e in c) + " |")
     bound = [r for r in runs if r["bandwidth"] != SHM and r["world_size"] > 1 and r.get("cores", 2) == 1]
     if bound:
         lines += ["", "**Ranks bound to one core:** " + ", ".join(

@@ -15,7 +15,8 @@ point-to-point ring of ``reduce_ops`` is logged under the op ``ring``
     mpirun -np 4 python -m horovod_compress.bench.e2e_calls --model transformer --json out.json
 
 :func:`record` runs it for several P and merges the result into one JSON file
-``{"<model>": {"<P>": {"<method label>": {"<op>": [bytes per call, ...]}}}}``.
+``{"<model>": {"<P>": {"<method label>": {"<op>": [bytes per call, ...],
+"<op>@gap_s": [CPU seconds of work before each call, ...]}}}}``.
 """
 from __future__ import annotations
 
@@ -37,6 +38,8 @@ RING_OP = "ring"
 #: cross the links as eager point-to-point segments (Global-QSGD's 8-bit codes, the 16-bit casts).
 RING_FUNCTIONS = ("ring_reduce_once", "ring_reduce_once_items")
 _CALLBACKS = ("produce", "reduce", "consume")
+#: Key suffix of the per-call CPU gaps beside an op's per-call sizes (``"allreduce@gap_s"``).
+GAP_SUFFIX = "@gap_s"
 
 
 class RingTransport:
@@ -116,19 +119,36 @@ class RingTransport:
 
 
 def call_sizes(methods: list[str], model_name: str, comm: Any, steps: int = 2) -> dict[str, dict[str, list[float]]]:
-    """``{label: {op: [max(sent, received) of each call]}}`` of the last of ``steps`` training steps."""
+    """``{label: {op: [max(sent, received) of each call], op + GAP_SUFFIX: [CPU s before each call]}}``
+    of the last of ``steps`` training steps.
+
+    The gap before a call is this rank's CPU time outside MPI since the
+    previous call returned (for the step's first call, since the optimizer's
+    ``step()`` began, after forward and backward): the method's own work
+    between its calls, which decides how long a call waits for peers when
+    ranks share cores (``cost_model.Network.call_wait``). CPU time, so the
+    recording on an oversubscribed machine is not stretched by the core share.
+    """
     import torch
 
     from ..compressors.registry import create
     from ..torch.optimizer import DistributedOptimizer
     from .e2e_models import build_model, synthetic_batch
-    log: list[tuple[str, float]] = []
+    log: list[tuple[str, float, float]] = []
     inner = comm._account
     ring = RingTransport()
+    clock = [0.0, 0.0]      # this thread's CPU time and its CPU time inside MPI at the last call
+
+    def restart_clock() -> None:
+        clock[:] = [time.thread_time(), comm.timings()["cpu_total"]]
 
     def account(op: str, sent: float, received: float) -> None:
+        # CPU work outside MPI since the previous call (a call is counted after it returns)
+        cpu, in_mpi = time.thread_time(), comm.timings()["cpu_total"]
+        gap = max(0.0, (cpu - clock[0]) - (in_mpi - clock[1]))
+        clock[:] = [cpu, in_mpi]
         # an allreduce the pipelined ring carried is logged under the ring's op (the model's RING)
-        log.append((RING_OP if op == "allreduce" and ring.inside else op, max(sent, received)))
+        log.append((RING_OP if op == "allreduce" and ring.inside else op, max(sent, received), gap))
         inner(op, sent, received)
     comm._account = account
     out: dict[str, dict[str, list[float]]] = {}
@@ -152,11 +172,13 @@ def call_sizes(methods: list[str], model_name: str, comm: Any, steps: int = 2) -
                 x, y = synthetic_batch(model_name, comm.rank, step)
                 opt.zero_grad()
                 model.loss(x, y).backward()
+                restart_clock()         # the first call's gap: the work of opt.step() before it
                 opt.step()
             opt.close()
             calls: dict[str, list[float]] = {}
-            for op, nbytes in log:
+            for op, nbytes, gap in log:
                 calls.setdefault(op, []).append(float(nbytes))
+                calls.setdefault(op + GAP_SUFFIX, []).append(float(gap))
             out[label] = calls
     finally:
         comm._account = inner

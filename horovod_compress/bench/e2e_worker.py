@@ -41,6 +41,10 @@ from .e2e_models import build_model, synthetic_batch
 
 PROBE_SMALL = 8
 PROBE_LARGE = 16 * 1024 * 1024
+#: Further message sizes each collective is probed at (bytes of the whole message, as
+#: ``PROBE_LARGE``): the rate a link reaches depends on the message (MPI's algorithm, TCP's
+#: window against the token bucket), and the methods' calls range from kilobytes to megabytes
+PROBE_SIZES = (1024 * 1024, 4 * 1024 * 1024)
 #: CPU seconds of work before each large probe call: the links sit idle as during a step's
 #: forward and backward pass, so the probe meets them as a step's exchange does
 PROBE_IDLE_CPU_S = 0.05
@@ -73,13 +77,34 @@ def _timed(comm: Any, fn: Any, repeats: int, before: Any = None) -> tuple[float,
     return float(np.median(slowest)), [float(t) for t in slowest]
 
 
+def _ring_probe(comm: Any, nbytes: int) -> Any:
+    """One call of the pipelined point-to-point ring (``reduce_ops.ring_reduce_once_items``)
+    over ``nbytes`` of 16-bit items, with the fp16 method's segmenting and a byte-wise add as the
+    reduction: the transport fp16/bf16 and Global-QSGD run their allreduce on, timed as such."""
+    from ..mpi_collectives.reduce_ops import ring_reduce_once_items
+    own = np.ones(nbytes, np.uint8)
+    result, partial, mine = (np.empty(nbytes, np.uint8) for _ in range(3))
+
+    def produce(lo: int, hi: int) -> None:
+        pass
+
+    def reduce(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int) -> int:
+        np.add(a[lo:hi], b[lo:hi], out=out[lo:hi])
+        return 0
+
+    def run() -> None:
+        ring_reduce_once_items(comm, nbytes // 2, 2, produce, own, reduce, None,
+                               segment_bytes=max(1 << 18, nbytes // (comm.size * 4)), slice_bytes=1 << 18,
+                               result=result, scratch=(partial, mine))
+    return run
+
+
 def probe_links(comm: Any, repeats: int) -> dict[str, Any]:
-    """Small- and large-message times of each collective the methods use, and its bytes per rank."""
+    """Small- and large-message times of each collective the methods use, and its bytes per rank;
+    ``sizes``: the same call at the message sizes of :data:`PROBE_SIZES` (``[bytes per rank, s]``)."""
     p, rank = comm.size, comm.rank
     out: dict[str, Any] = {}
     small = np.zeros(PROBE_SMALL // 4, np.float32)
-    large = np.ones(PROBE_LARGE // 4, np.float32)
-    part = np.ones(PROBE_LARGE // 4 // p, np.float32)
 
     def volume(fn: Any) -> float:
         comm.reset_stats()
@@ -100,21 +125,40 @@ def probe_links(comm: Any, repeats: int) -> dict[str, Any]:
     # each collective the methods call (allgather and broadcast have algorithms of their own in
     # Open MPI, so they get their own probe), and point to point: a ring shift of the large
     # buffer (every link busy both ways), which is also the pipelined ring's transport
-    cases = {
-        "allreduce": (lambda: comm.allreduce(small), lambda: comm.allreduce(large)),
-        "allgatherv": (lambda: comm.allgatherv(small), lambda: comm.allgatherv(part)),
-        "allgather": (lambda: comm.allgather(small), lambda: comm.allgather(part)),
-        "alltoallv": (lambda: comm.alltoallv([small] * p),
-                      lambda: comm.alltoallv([part] * p)),
-        "broadcast": (lambda: comm.broadcast(small), lambda: comm.broadcast(large)),
-        "p2p": (lambda: shift(small), lambda: shift(large)),
+    def calls(size: int) -> dict[str, Any]:
+        """Each probed operation's call moving a message of ``size`` bytes."""
+        whole = np.ones(size // 4, np.float32)
+        part = np.ones(size // 4 // p, np.float32)
+        return {
+            "allreduce": lambda: comm.allreduce(whole),
+            "allgatherv": lambda: comm.allgatherv(part),
+            "allgather": lambda: comm.allgather(part),
+            "alltoallv": lambda: comm.alltoallv([part] * p),
+            "broadcast": lambda: comm.broadcast(whole),
+            "p2p": lambda: shift(whole),
+            "ring": _ring_probe(comm, size),
+        }
+    tiny = {
+        "allreduce": lambda: comm.allreduce(small),
+        "allgatherv": lambda: comm.allgatherv(small),
+        "allgather": lambda: comm.allgather(small),
+        "alltoallv": lambda: comm.alltoallv([small] * p),
+        "broadcast": lambda: comm.broadcast(small),
+        "p2p": lambda: shift(small),
+        "ring": lambda: shift(small),     # the ring's rounds are point-to-point messages
     }
-    for op, (f_small, f_large) in cases.items():
-        nbytes = volume(f_large) if op != "p2p" else float(large.nbytes)
+    by_size = {size: calls(size) for size in (PROBE_LARGE, *PROBE_SIZES)}
+    for op, f_small in tiny.items():
+        f_large = by_size[PROBE_LARGE][op]
+        nbytes = volume(f_large) if op != "p2p" else float(PROBE_LARGE)
         t_small, _ = _timed(comm, f_small, repeats * 3)
         t_large, samples = _timed(comm, f_large, repeats, before=idle)
+        sizes = []
+        for size in PROBE_SIZES:
+            f = by_size[size][op]
+            sizes.append([volume(f) if op != "p2p" else float(size), _timed(comm, f, repeats, before=idle)[0]])
         out[op] = {"small_s": t_small, "large_s": t_large, "large_bytes": nbytes, "large_samples_s": samples,
-                   "idle_cpu_s": PROBE_IDLE_CPU_S}
+                   "idle_cpu_s": PROBE_IDLE_CPU_S, "sizes": sizes}
     out["interleaved"] = probe_interleaved(comm, repeats * 10)
     comm.reset_stats()
     return out
