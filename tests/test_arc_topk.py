@@ -282,6 +282,43 @@ def case_training_identical(comm):
     return {"start_loss": float(start), "end_loss": float(total)}
 
 
+# ------------------------------------------------------- NaN/Inf agreement
+def case_nonfinite_keeps_trackers(comm):
+    """The fused path tests finiteness in its sketch pass (EF21M writes h' to a second
+    buffer): a step with NaN/Inf on one rank is skipped everywhere with every tracker's bits
+    as they were, and the steps after it equal those of a run that never saw it."""
+    bad_rank = comm.size - 1
+
+    def grad(step):
+        rng = np.random.default_rng([3, step, comm.rank])
+        return rng.standard_normal((40, 30)).astype(np.float32)
+
+    out = {}
+    for fb in ("ef21m", "ef21", "none"):
+        for value in (np.nan, np.inf):
+            m = hvdc.Compression.arc_topk(feedback=fb, seed=4, nonfinite="skip")
+            ref = hvdc.Compression.arc_topk(feedback=fb, seed=4, nonfinite="skip")
+            for step in range(3):
+                m.allreduce(grad(step), "w", comm)
+                ref.allreduce(grad(step), "w", comm)
+            before = m.state_dict()["state"]["w"]
+            bad = grad(3)
+            if comm.rank == bad_rank:
+                bad[7, 11] = value
+            assert not m.allreduce(bad, "w", comm).any() and m.last_step_skipped
+            after = m.state_dict()["state"]["w"]
+            assert before.keys() == after.keys()
+            for key, arr in before.items():
+                assert np.array_equal(np.asarray(arr), np.asarray(after[key])), (fb, key)
+            for step in range(4, 6):         # as if step 3 never happened, bit for bit
+                got = m.allreduce(grad(step), "w", comm)
+                want = ref.allreduce(grad(step), "w", comm)
+                assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (fb, step)
+                assert same_on_all_ranks(comm, got.view(np.uint32).ravel())
+            out[f"{fb}/{value}"] = True
+    return out
+
+
 # ------------------------------------------------------------ tests on MPI results
 @pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
 def mpi(request):
@@ -353,6 +390,12 @@ def test_training_ends_with_identical_parameters(mpi):
     _p, res = mpi
     out = res[case_training_identical][0]
     assert out["end_loss"] < 0.7 * out["start_loss"]
+
+
+def test_nonfinite_step_keeps_every_tracker(mpi):
+    _p, res = mpi
+    out = res[case_nonfinite_keeps_trackers][0]
+    assert len(out) == 6 and all(out.values())
 
 
 # ------------------------------------------------------------ no MPI needed
@@ -438,3 +481,82 @@ def test_registered_with_paper_defaults():
                             "dense_fallback": True, "eta": 0.1}
     assert arc.layout == "matrix" and arc.biased and not arc.horovod_compatible
     assert {"arc_topk", "randk_rows", "topk_rows"} <= set(hvdc.Compression.available())
+
+
+# ------------------------------------------------- fused kernels (kernels/arc_fused.py)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape, r", [((37, 53), 1), ((37, 53), 4), ((16, 9), 6), ((5, 3), 9),
+                                      ((300, 200), 4)])
+def test_sketch_pass_against_numpy(dtype, shape, r):
+    """h' bit for bit the NumPy (11a); the sketch of d = h' - g, x - g, x within float rounding
+    of the float64 product; finiteness of x reported in every mode."""
+    from horovod_compress.kernels.arc_fused import padded_sketch, sketch_pass
+    rng = np.random.default_rng(r)
+    m, n = shape
+    x, h, g = (rng.standard_normal(shape).astype(dtype) for _ in range(3))
+    v = (rng.standard_normal((n, r)) / math.sqrt(r)).astype(dtype)
+    vt, sk, h_out = padded_sketch(v), np.empty((m, r), dtype), np.empty_like(h)
+    assert vt.shape == (4 * math.ceil(r / 4), n) and np.array_equal(vt[:r], v.T)
+    assert not vt[r:].any()
+    h_ref = h.copy()
+    h_ref *= h_ref.dtype.type(1 - 0.3)
+    h_ref += h_ref.dtype.type(0.3) * x
+    h_before = h.copy()
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    cases = [((h, g, 0.3, h_out), h_ref.astype(np.float64) - g),      # EF21M: d = h' - g
+             ((None, g, None, None), x - g.astype(np.float64)),        # EF21: d = x - g
+             ((None, None, None, None), x.astype(np.float64))]         # no feedback: d = x
+    for args, d in cases:
+        hh, gg, eta, out = args
+        assert sketch_pass(x, hh, gg, eta, vt, sk, out) is True
+        want = d @ v.astype(np.float64)
+        assert np.abs(sk - want).max() <= tol * np.abs(want).max(), args[2]
+        bad = x.copy()
+        for value in (np.nan, np.inf, -np.inf):
+            bad.flat[-1] = value
+            spare = None if hh is None else np.empty_like(h)
+            assert sketch_pass(bad, hh, gg, eta, vt, np.empty_like(sk), spare) is False
+    assert np.array_equal(h_out, h_ref) and np.array_equal(h, h_before)    # h only read
+    with pytest.raises(ValueError, match="overlap"):
+        sketch_pass(x, h, g, 0.3, vt, sk, h)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_take_rows_and_apply_rows_copy_bit_exact(dtype):
+    """The message (h' - g)[I], (11b) g[I] += message, (11c) G[I] += total / P and the copy of G:
+    the bits of the NumPy expressions; rows off I untouched."""
+    from horovod_compress.kernels.arc_fused import apply_rows_copy, take_rows
+    rng = np.random.default_rng(7)
+    m, n = 41, 29
+    h, g, big_g = (rng.standard_normal((m, n)).astype(dtype) for _ in range(3))
+    for rows in (np.array([0, 3, 4, 17, 40]), np.array([40]), np.array([0]), np.arange(m)):
+        msg = np.empty((rows.size, n), dtype)
+        g2 = g.copy()
+        take_rows(h, g2, rows, msg)
+        d = h[rows] - g[rows]
+        g_ref = g.copy()
+        g_ref[rows] = g[rows] + d
+        assert np.array_equal(msg, d) and np.array_equal(g2, g_ref)
+        take_rows(h, None, rows, msg)
+        assert np.array_equal(msg, h[rows])
+        total = rng.standard_normal((rows.size, n)).astype(dtype)
+        for p in (1, 3, 4):
+            big2 = big_g.copy()
+            out = apply_rows_copy(big2, rows, total, p)
+            ref = big_g.copy()
+            ref[rows] = big_g[rows] + total / dtype(p)
+            assert np.array_equal(out, ref) and np.array_equal(big2, ref)
+            assert not np.shares_memory(out, big2)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_stream_copy_any_alignment(dtype):
+    """Streaming stores: exact copies at every start offset and length around the 32-byte vector."""
+    from horovod_compress.kernels.arc_fused import stream_copy
+    src = np.random.default_rng(1).standard_normal(300).astype(dtype)
+    for lo in range(9):
+        for size in (0, 1, 3, 7, 8, 9, 31, 64, 97):
+            dst = np.zeros(320, dtype)
+            stream_copy(dst[lo:lo + size], src[:size])
+            assert np.array_equal(dst[lo:lo + size], src[:size])
+            assert not dst[:lo].any() and not dst[lo + size:].any()

@@ -40,6 +40,47 @@ tensors" and leaves the rest open; we decide as follows):
 
 The paper starts compressing after 1000 dense iterations; pass
 ``warmup_steps=1000`` for that (default 0, as for every method here).
+
+Cost on CPU (issue 21; 2000 x 2000 float32, P = 1, one thread, default
+parameters: K = 400 rows, r = 4, EF21M). Under EF21 / EF21M a NumPy
+gradient takes :meth:`ArcTopK._reduce_ef21`, three compiled passes
+(:mod:`horovod_compress.kernels.arc_fused`): (11a), the local sketch and the
+NaN/Inf test in one read of x, h, g (``h'`` streamed to a second buffer, so
+the call's NaN/Inf agreement waits for this pass and the gradient is not
+read again for it); the K rows of ``d`` with (11b) on them; (11c) on the K
+rows with the optimizer's copy of G, streamed. Measured per step, median of
+25 (hot memcpy of the gradient 1.1 ms), before -> after, ms::
+
+    NaN/Inf test of x (BLAS dot)             1.1  -> in the sketch pass
+    draw V (8000 normals, Philox)            0.25 -> 0.2
+    (11a) + d = h' - g (d stored)            4.5  -> }
+    sketch d V (BLAS, C-ordered V)           2.1  -> } 3.6-4.4 fused
+    gather d[I] / take_rows + (11b) rows I   0.3  -> 1.0
+    allreduces (P = 1: MPI's copies)         0.5  -> 0.3
+    scatter into np.zeros + local rows       3.1  -> --
+    (11b), (11c), G's copy (every entry)     4.8  -> 1.9-2.6 (rows I + copy)
+    whole step                               15.6-17.7 -> 7.2-8.9
+
+V is drawn as before (the same Philox stream and bits on every rank): at
+0.2 ms, 2-3% of the step, a cheaper generator would not pay for a change of
+the shared draw.
+
+The floor, and why the step cannot reach 3 memcpys: EF21M alone must read
+x, read and write h (eq. 11a changes every entry), read g (``d = h' - g``
+enters the sketch in every row, and V is fresh each step, so no part of
+``g V`` carries over) and read G and write the optimizer's fresh copy of it:
+six streams of the gradient's size, three memcpys, before ARC-Top-K does
+anything; the K = 0.2 m selected rows add about 0.6 memcpy (their ``h'``,
+``g`` read, message and ``g`` written, the sum read, ``G`` written). So
+~3.6 memcpys = 4 ms is the floor with EF21M, ~1.8x below the measured step.
+The rest of the gap is DRAM: the step's arrays (x, h, h', g, G, the result:
+96 MB) do not stay in cache, and the hot memcpy that is the yardstick does
+(a 16 MB copy with that working set takes 2.2 ms with NumPy, 1.25 ms with
+streaming stores); each pass here runs at 16-25 GB/s, one core's memory
+bandwidth. Without feedback (``feedback="none"``, :meth:`ArcTopK._reduce`)
+the sketch and the NaN/Inf test share one read of x as well; the step
+(3.3 ms, 5.8 before) is then mostly the zeroed m x n result the rows are
+scattered into.
 """
 from __future__ import annotations
 
@@ -50,7 +91,9 @@ from typing import Any
 import numpy as np
 
 from ..kernels import dispatch
+from ..kernels.arc_fused import apply_rows_copy, padded_sketch, sketch_pass, take_rows
 from ..kernels.arrays import as_module_array, get_array_module, to_host
+from ..kernels.feedback import fusable
 from ..kernels.rows import matrix_shape, top_rows
 from ..kernels.scatter import row_local
 from .base import Method, TensorState
@@ -140,18 +183,53 @@ class ArcTopK(Method):
         """
         return top_rows(to_host(dispatch.call("row_sq_norms", sketch_avg)), k)
 
+    def _host_fused(self, x: Any) -> bool:
+        """Whether ``x`` takes the compiled CPU path (:mod:`~horovod_compress.kernels.arc_fused`):
+        a C-contiguous NumPy float32/float64 array that is not sent dense."""
+        return (type(x) is np.ndarray and x.dtype in (np.float32, np.float64)
+                and x.flags.c_contiguous and not self.plan(x.shape).dense)
+
+    def _defers_finite_check(self, x: Any, name: str, comm: Any) -> bool:
+        """Host arrays under no feedback, EF21 or EF21M: the sketch pass reads ``x`` anyway and
+        reports whether it is finite, so :meth:`Method.allreduce` does not read it once more.
+
+        Every path then passes the gate before its first collective: :meth:`_reduce`
+        and :meth:`_reduce_ef21` after their sketch pass, or at once where they do
+        not fuse. EF21M's pass writes ``h'`` to a second buffer, swapped in only
+        after the gate, so a step the ranks reject keeps every tracker as it was.
+        """
+        from ..feedback import Feedback
+        from ..feedback.ef21 import EF21M
+        return self._host_fused(x) and (type(self.feedback) is Feedback
+                                        or isinstance(self.feedback, EF21M))
+
+    def _local_sketch(self, g: Any, name: str, step: int, plan: ArcPlan) -> tuple[Any, bool | None]:
+        """This rank's m x r sketch ``G_i V / sqrt(r)`` of the m x n view ``g``, and whether ``g``
+        is finite (``None``: not tested).
+
+        NumPy float32/float64: one compiled pass over ``g``
+        (:func:`~horovod_compress.kernels.arc_fused.sketch_pass`); CuPy: a GEMM.
+        """
+        v = self.sketch_matrix(name, step, plan.n, plan.r, g.dtype)
+        if type(g) is np.ndarray and g.dtype in (np.float32, np.float64):
+            sk = np.empty((plan.m, plan.r), g.dtype)
+            return sk, sketch_pass(g, None, None, None, padded_sketch(v), sk)
+        return g @ as_module_array(v, get_array_module(g)), None
+
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
-                state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+                state: TensorState) -> tuple[np.ndarray, np.ndarray | None]:
         plan = self.plan(x.shape)
         if plan.dense:
+            self._pass_finite_gate()
             state.pop("rows", None)
             with comm.phase("arc_dense"):
                 return comm.allreduce(x, op="avg"), x
         xp = get_array_module(x)
         g = xp.ascontiguousarray(x).reshape(plan.m, plan.n)
-        v = as_module_array(self.sketch_matrix(name, state.t, plan.n, plan.r, g.dtype), xp)
+        local_sketch, finite = self._local_sketch(g, name, state.t, plan)
+        self._pass_finite_gate(finite)                        # a no-op unless the call deferred it
         with comm.phase("arc_sketch"):
-            sketch = comm.allreduce(g @ v, op="avg")          # m x r words
+            sketch = comm.allreduce(local_sketch, op="avg")   # m x r words
         rows = self.select_rows(sketch, plan.k)
         rows_x = as_module_array(rows, xp)                    # on the gradient's device
         own = dispatch.call("gather_rows", g, rows_x)
@@ -159,9 +237,64 @@ class ArcTopK(Method):
             avg_rows = comm.allreduce(own, op="avg")          # K x n words, no indices
         state["rows"] = rows.astype(np.int32)                 # diagnostics (same on every rank)
         avg = dispatch.call("scatter_rows", avg_rows, rows_x, plan.m).reshape(x.shape)
+        if not self.feedback.uses_local:                      # e.g. feedback="none": not read
+            return avg, None
         local = (row_local(self, name, own, rows, plan.m) if xp is np else
                  dispatch.call("scatter_rows", own, rows_x, plan.m)).reshape(x.shape)
         return avg, local
+
+    def _reduce_ef21(self, x: np.ndarray, h: np.ndarray | None, g: np.ndarray,
+                     big_g: np.ndarray, eta: float | None, name: str, comm: Any,
+                     state: TensorState) -> np.ndarray | None:
+        """EF21M's step (eqs. 11a-11c) fused with Algorithm 1; returns the new ``G`` (a fresh copy).
+
+        :class:`~horovod_compress.feedback.ef21.EF21M` calls this instead of
+        forming ``d = h' - g`` and calling :meth:`_reduce` (``h``/``eta`` None:
+        EF21, ``d = x - g``). Three compiled passes
+        (:mod:`horovod_compress.kernels.arc_fused`): (11a) into a second buffer
+        with the local sketch of ``d`` and the NaN/Inf test of ``x`` (``d`` is
+        never stored); after the call's NaN/Inf agreement (the new ``h`` is
+        swapped in only then), the sketch allreduce and the selection, the K
+        rows of ``d`` into the message with (11b) on those rows; after the
+        rows allreduce, (11c) on those rows and the optimizer's copy of ``G``
+        in one pass. Same collectives, bytes and phases as :meth:`_reduce`;
+        the trackers get the bits of the unfused path (see the kernels' module
+        docstring for the sketch sums). ``None`` for inputs the kernels do not
+        take (a dense plan, CuPy arrays, mixed dtypes, non-contiguous arrays):
+        nothing is touched, and the call's deferred agreement, if any, is
+        passed here, before EF21M's own passes write anything. The second
+        ``h`` buffer (per tensor, not checkpointed) takes the place of the
+        ``d = h - g`` buffer EF21M keeps for other methods: the same memory.
+        """
+        arrays = (x, g, big_g) if h is None else (x, h, g, big_g)
+        if not (self._host_fused(x) and fusable(*arrays)):
+            self._pass_finite_gate()
+            return None
+        plan = self.plan(x.shape)
+        v = self.sketch_matrix(name, state.t, plan.n, plan.r, x.dtype)
+        local_sketch = np.empty((plan.m, plan.r), x.dtype)
+        h_new = None
+        if h is not None:
+            spares = self.__dict__.setdefault("_h_spare", {})
+            h_new = spares.get(name)
+            if (h_new is None or h_new.shape != h.shape or h_new.dtype != h.dtype
+                    or np.may_share_memory(h_new, h)):
+                h_new = np.empty_like(h)
+        finite = sketch_pass(x, h, g, eta, padded_sketch(v), local_sketch, h_new)
+        self._pass_finite_gate(finite)        # raises if any rank is not finite: nothing kept
+        if h is not None:                     # (11a) takes effect: the old h is next step's buffer
+            state["fb_h"], self._h_spare[name] = h_new, h
+            h = h_new
+        with comm.phase("arc_sketch"):
+            sketch = comm.allreduce(local_sketch, op="avg")   # m x r words
+        rows = self.select_rows(sketch, plan.k)
+        msg = self._scratch_buffers(name, 1, plan.k * plan.n, x.dtype)[0].reshape(plan.k, plan.n)
+        take_rows(x if h is None else h, g, rows, msg)        # d[I, :], and (11b) on rows I
+        with comm.phase("arc_rows"):
+            total = comm.allreduce(msg, op="sum")             # K x n words, no indices
+        state["rows"] = rows.astype(np.int32)                 # diagnostics (same on every rank)
+        total = np.ascontiguousarray(total, dtype=x.dtype).reshape(plan.k, plan.n)
+        return apply_rows_copy(big_g, rows, total, comm.size).reshape(x.shape)
 
     def expected_bytes(self, shape: tuple[int, ...], world_size: int,
                        itemsize: int = 4) -> float:

@@ -35,6 +35,14 @@ direction instead of from zero.
 
 Trackers live where the gradient does (NumPy or CuPy arrays).
 
+Passes over the gradient: a method with ``_reduce_ef21(x, h, g, G, eta, name,
+comm, state)`` (ARC-Top-K) runs (11a)-(11c) inside its own passes and returns
+the optimizer's copy of G, or ``None`` for inputs it does not fuse; it must
+leave every tracker as it was when the call's NaN/Inf agreement fails. Other
+methods get (11a) with ``h - g`` in one pass and (11b), (11c) with G's copy in
+another (:mod:`horovod_compress.kernels.feedback`), bit for bit the NumPy
+expressions.
+
 Use a plain optimizer step on G (SGD without momentum, as in eq. (11c), or
 Adam): EF21M already carries the momentum (eta = 1 - beta of heavy-ball SGD).
 """
@@ -85,6 +93,14 @@ class EF21M(Feedback):
         g = self._tracker(state, "fb_g", x)
         big_g = self._tracker(state, "fb_G", x)
         h = x if self.eta == 1.0 and self.name == "ef21" else self._tracker(state, "fb_h", x)
+        fused = getattr(method, "_reduce_ef21", None)
+        if fused is not None:
+            # the method runs (11a)-(11c) inside its own passes (ARC-Top-K: with the sketch;
+            # only the selected rows of g and G change) and returns the copy of G, or None
+            out = fused(x, None if h is x else h, g, big_g, None if h is x else self.eta,
+                        name, comm, state)
+            if out is not None:
+                return out
         if fusable(x, h, g, big_g):
             # (11a) and h - g in one pass, into a buffer reused across steps (the method's
             # _reduce consumes it within the call); (11b), (11c) and G's copy in another
