@@ -29,7 +29,7 @@ from horovod_compress.compressors.greedylore import (
 from horovod_compress.compressors.lazy_projection import LazyProjection
 from horovod_compress.compressors.lowrank_common import should_compress, top_indices
 from horovod_compress.compressors.powersgd import PowerSGD
-from horovod_compress.kernels.lowrank import add_and_probe, reconstruct
+from horovod_compress.kernels.lowrank import add_and_probe, project, reconstruct
 from horovod_compress.testing import (
     gather_float64,
     low_rank_gradient,
@@ -570,6 +570,20 @@ def test_reconstruct_and_subtract_low_rank(dtype, r):
     want = a - q @ c
     got = subtract_low_rank(a, q, c)
     assert got is a and np.allclose(a, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("r", [1, 3, 4, 6])
+@pytest.mark.parametrize("m", [1, 4, 11])
+def test_project_kernel(dtype, r, m):
+    """``project`` is ``q^T a`` (every row count mod 4, including fewer than four rows)."""
+    rng = np.random.default_rng(6)
+    a = rng.standard_normal((m, 37)).astype(dtype)
+    q = rng.standard_normal((m, r)).astype(dtype)
+    c = np.full((r, 37), np.nan, dtype=dtype)
+    project(a, q, c)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    assert np.allclose(c, q.T.astype(np.float64) @ a.astype(np.float64), rtol=tol, atol=tol)
 
 
 def test_probe_values_are_u_j_a_xi_j():

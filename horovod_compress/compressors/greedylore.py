@@ -71,16 +71,40 @@ Decisions where the paper leaves room (checked against its prose):
   docs/methods/greedylore.md). An ordinary step streams the m x n matrices
   as few times as the data dependences allow: (1) one pass that adds
   ``M_i`` into the error buffer (which becomes ``A_i``) and takes ``v =
-  A_i xi`` (:func:`..kernels.lowrank.add_and_probe`); the scores are ``U^T
-  v`` (one GEMV); (2) ``C_i = Q^T A_i`` (BLAS, ``A_i`` read once); (3) ``Q
-  C`` written once (:func:`..kernels.lowrank.reconstruct` for ``r <= 5``,
-  BLAS above) and ``e_i = A_i - Q C_i`` as one in-place GEMM with ``beta =
-  1`` (:func:`subtract_low_rank`) -- no m x n temporaries. The dense
-  ``local = Q C_i`` of the ``_reduce`` protocol is built only when a caller
-  asks for it; the framework's path (``_BuiltInFeedback``) does not, since
-  the error is kept here. Compute: ``probes (m n + m^2)`` for the scores and
-  ``r m n`` each for ``C_i``, ``Q C`` and the error, against PowerSGD's ``3 r
-  m n`` plus its feedback's two element-wise passes; no orthogonalization.
+  A_i xi`` (:func:`..kernels.lowrank.add_and_probe`; the first probe's dot
+  product in the same loop as the addition); the scores are ``U^T v`` (one
+  GEMV, a read of the m x m ``U``); (2) ``C_i = Q^T A_i``, ``A_i`` read
+  once (:func:`..kernels.lowrank.project` for ``r <= 4``, BLAS above); (3)
+  ``Q C`` written once (:func:`..kernels.lowrank.reconstruct` for ``r <=
+  5``, BLAS above) and ``e_i = A_i - Q C_i`` as one in-place GEMM with
+  ``beta = 1`` (:func:`subtract_low_rank`) -- no m x n temporaries. The
+  dense ``local = Q C_i`` of the ``_reduce`` protocol is built only when a
+  caller asks for it; the framework's path (``_BuiltInFeedback``) does not,
+  since the error is kept here. Compute: ``probes (m n + m^2)`` for the
+  scores and ``r m n`` each for ``C_i``, ``Q C`` and the error, against
+  PowerSGD's ``3 r m n`` plus its feedback's two element-wise passes; no
+  orthogonalization. Float results: ``v`` is bit for bit what the
+  two-loop pass gave; ``C_i`` from ``project`` sums each entry over the
+  rows in groups of four (fused multiply-adds) instead of BLAS's blocking,
+  so ``C_i``, ``Q C`` and the new error differ from the BLAS path in the
+  last bits (relative 1e-6 in float32 on 2000 x 2000; same columns chosen).
+* **Where the time goes, and the floor** (2000 x 2000 float32, r = 4, one
+  thread, P = 1, in units of a memcpy of the gradient measured in the same
+  process): the framework's NaN/Inf read of ``x`` 0.46; ``A = M + e`` with
+  ``v`` 1.0; ``U^T v`` 0.47; draw, scores, top-r, ``Q`` 0.25; ``C_i`` 0.54;
+  ``Q C`` into a new array 1.0; the error 0.55 -- 4.4 in all (PowerSGD r = 4
+  3.2 in the same run). The data dependences fix the memory traffic at
+  about 3.5 memcpys: ``A_i`` must be read again after each of the two
+  allreduces (``Q`` depends on all of ``A_i`` through the reduced scores,
+  and the error on all of ``C_i``), the scores read all of ``U`` (m x m,
+  as large as the gradient: the paper's greedy choice ranges over every
+  column), and the estimate is a new array. The check for NaN/Inf cannot
+  come from this method's first pass: that pass writes ``A_i`` into the
+  error, which a step abandoned for NaN/Inf must leave as it was; writing
+  ``A_i`` to a second buffer instead costs the same read (measured slower).
+  The rest (about 1x) is the kernels' compute at 256-bit vectors and
+  Python overhead. The SVD step (``U`` every ``period`` steps, about 1.3 s
+  here) adds about 6.5 ms per step averaged over the default period 200.
 * **Rounds.** Two allreduces per ordinary step (scores, then projection),
   as in the paper; they cannot be fused, since ``Q`` is chosen from the
   reduced scores. Byte counts are unchanged.
@@ -114,13 +138,18 @@ from .lowrank_common import (
     top_indices,
 )
 from ..feedback import Feedback
-from ..kernels.lowrank import add_and_probe, reconstruct
+from ..kernels.lowrank import add_and_probe, project, reconstruct
 from ..params import check_choice, check_int
 from .registry import register
 
 #: Up to this rank the estimate ``Q C`` is built by :func:`..kernels.lowrank.reconstruct`
 #: (one write of the output); above it BLAS's GEMM is faster (measured, 2000 x 2000, one thread).
 KERNEL_MAX_RANK = 5
+
+#: Up to this rank ``C_i = Q^T A_i`` comes from :func:`..kernels.lowrank.project`; above it
+#: BLAS's GEMM is faster (2000 x 2000 float32, one thread: r = 4 1.01 ms against 1.16 ms,
+#: r = 8 1.45 ms against 1.35 ms; a memcpy of the matrix 1.1 ms).
+PROJECT_MAX_RANK = 4
 
 
 def working_matrix(mat: np.ndarray) -> tuple[np.ndarray, bool]:
@@ -307,7 +336,7 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
 
         cols = top_indices(score, effective_rank(m, n, self.rank))
         q = np.ascontiguousarray(u[:, cols])
-        c_local = np.ascontiguousarray((a.T @ q).T)       # Q^T A_i (r x n), eq. 10
+        c_local = self._projection(a, q)                  # Q^T A_i (r x n), eq. 10
         with comm.phase("greedylore.projection"):
             c = np.ascontiguousarray(comm.allreduce(c_local, op="avg"))
         avg = self._low_rank(q, c, transposed)            # Q C, in x's orientation
@@ -319,6 +348,16 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
                 state["error"] = a - q @ c_local
         state["columns"] = cols.astype(np.int64)
         return avg.reshape(x.shape), (None if local is None else local.reshape(x.shape))
+
+    @staticmethod
+    def _projection(a: np.ndarray, q: np.ndarray) -> np.ndarray:
+        """``C_i = Q^T A_i`` (r x n, C-contiguous; eq. 10): :func:`..kernels.lowrank.project`
+        up to rank :data:`PROJECT_MAX_RANK`, BLAS's GEMM above it or for other layouts."""
+        if q.shape[1] <= PROJECT_MAX_RANK and _kernel_ready(a, q):
+            c = np.empty((q.shape[1], a.shape[1]), dtype=a.dtype)
+            project(a, q, c)
+            return c
+        return np.ascontiguousarray((a.T @ q).T)
 
     @staticmethod
     def _low_rank(q: np.ndarray, c: np.ndarray, transposed: bool) -> np.ndarray:

@@ -2,20 +2,23 @@
 
 GreedyLore ("Greedy Low-Rank Gradient Compression for Distributed Learning
 with Convergence Guarantees", Sections V-A to V-D, Algorithm 3; eqs. 9a, 9b, 10, 23)
-touches the ``m x n`` matrices of a step in two places only:
+touches the ``m x n`` matrices of a step in three places:
 
 * before the scores: ``A_i = M_i + e_i`` (eq. 9a) and the probe products
   ``v_k = A_i xi_k`` (the shared-probe form of eq. 23; the scores are then
   ``U^T v``, see :mod:`horovod_compress.compressors.greedylore`);
+* after the scores' allreduce (which chooses ``Q``): ``C_i = Q^T A_i`` (eq. 10);
 * after the projection allreduce: the estimate ``Q C`` (eq. 10) and the new
   error ``e_i = A_i - Q Q^T A_i = A_i - Q C_i`` (eq. 9b, ``C_i = Q^T A_i``).
 
 Written with NumPy the first is two passes over the ``m n`` numbers (add,
-then GEMV); :func:`add_and_probe` is one, row by row, so the row of ``A_i``
-just written is still in L1 for its dot products. The estimate ``Q C`` is a
-thin GEMM whose BLAS ``beta = 0`` path first clears the output;
-:func:`reconstruct` writes it once. (The error is one BLAS GEMM with
-``beta = 1`` in place, :func:`horovod_compress.compressors.greedylore.subtract_low_rank`.)
+then GEMV); :func:`add_and_probe` is one, row by row, with the first probe's
+dot product in the addition's loop. :func:`project` reads ``A_i`` for
+``C_i`` in row order, four rows per update of ``C_i`` (BLAS's GEMM on this thin
+shape is slower up to r = 4). The estimate ``Q C`` is a thin GEMM whose BLAS
+``beta = 0`` path first clears the output; :func:`reconstruct` writes it
+once. (The error is one BLAS GEMM with ``beta = 1`` in place,
+:func:`horovod_compress.compressors.greedylore.subtract_low_rank`.)
 The arithmetic is the same; only the order of the float additions differs
 from BLAS (``fastmath`` allows re-association and fused multiply-adds,
 nothing that changes NaN/Inf handling).
@@ -35,16 +38,24 @@ _FLAGS = {"reassoc", "contract"}
 def add_and_probe(mat: np.ndarray, err: np.ndarray, xi: np.ndarray, out: np.ndarray) -> None:
     """``err += mat`` (so ``err`` holds ``A = M + e``) and ``out[:, k] = A xi[k]`` in one pass.
 
-    ``mat``, ``err``: (m, n); ``xi``: (probes, n); ``out``: (m, probes).
+    ``mat``, ``err``: (m, n); ``xi``: (probes, n), probes >= 1; ``out``: (m, probes).
+    The first probe's dot product runs in the same loop as the addition (each
+    ``A`` entry is used while in a register); further probes sweep the row
+    again, in L1. The dot products accumulate in float64.
     """
     m, n = err.shape
     probes = xi.shape[0]
+    p0 = xi[0]
     for i in range(m):
         row = err[i]
         src = mat[i]
+        acc = 0.0
         for j in range(n):
-            row[j] += src[j]
-        for k in range(probes):
+            t = row[j] + src[j]
+            row[j] = t
+            acc += t * p0[j]
+        out[i, 0] = acc
+        for k in range(1, probes):
             p = xi[k]
             acc = 0.0
             for j in range(n):
@@ -88,3 +99,35 @@ def reconstruct(q: np.ndarray, c: np.ndarray, out: np.ndarray) -> None:
                     for j in range(n):
                         o[j] += w * ck[j]
                 k += 1
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def project(a: np.ndarray, q: np.ndarray, c: np.ndarray) -> None:
+    """``c = q^T a``: ``a`` (m, n), ``q`` (m, r), ``c`` (r, n), written.
+
+    The projection ``C_i = Q^T A_i`` of eq. 10, one read of ``a`` in row
+    order. Each row of ``c`` (in L1/L2) is updated once per four rows of
+    ``a``, ``c_k += q[i,k] a_i + q[i+1,k] a_(i+1) + q[i+2,k] a_(i+2) +
+    q[i+3,k] a_(i+3)``, a loop with one stored stream, so it vectorizes;
+    BLAS's GEMM on this thin shape (``a`` read as the transpose, ``r`` columns)
+    is slower. Each entry of ``c`` is summed over the rows in groups of four,
+    in order.
+    """
+    m, n = a.shape
+    r = q.shape[1]
+    c[...] = 0
+    for i0 in range(0, m, 4):
+        rows = min(4, m - i0)
+        for k in range(r):
+            ck = c[k]
+            if rows == 4:
+                a0, a1, a2, a3 = a[i0], a[i0 + 1], a[i0 + 2], a[i0 + 3]
+                w0, w1, w2, w3 = q[i0, k], q[i0 + 1, k], q[i0 + 2, k], q[i0 + 3, k]
+                for j in range(n):
+                    ck[j] += w0 * a0[j] + w1 * a1[j] + w2 * a2[j] + w3 * a3[j]
+            else:
+                for t in range(rows):
+                    at = a[i0 + t]
+                    wt = q[i0 + t, k]
+                    for j in range(n):
+                        ck[j] += wt * at[j]
