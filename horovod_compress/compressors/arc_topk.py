@@ -200,8 +200,17 @@ class ArcTopK(Method):
         """
         from ..feedback import Feedback
         from ..feedback.ef21 import EF21M
-        return self._host_fused(x) and (type(self.feedback) is Feedback
-                                        or isinstance(self.feedback, EF21M))
+        if not self._host_fused(x):
+            return False
+        if type(self.feedback) is Feedback:
+            return True
+        # EF21M: only once its trackers exist and fit x, since a tracker that does not fit is
+        # re-created (zeroed) before the sketch pass -- a change of state the gate could not undo
+        # if the ranks then disagree (a new shape on one rank: TensorMismatchError)
+        st = self.state.get(name)
+        return (isinstance(self.feedback, EF21M) and st is not None
+                and all(isinstance(st.get(k), np.ndarray) and st[k].shape == x.shape
+                        and st[k].dtype == x.dtype for k in ("fb_g", "fb_G")))
 
     def _local_sketch(self, g: Any, name: str, step: int, plan: ArcPlan) -> tuple[Any, bool | None]:
         """This rank's m x r sketch ``G_i V / sqrt(r)`` of the m x n view ``g``, and whether ``g``

@@ -40,7 +40,7 @@ from ..kernels.arrays import (
     to_host,
 )
 from ..runtime import world as _world
-from ..runtime.consistency import NEW_SIGNATURE, NONFINITE, agree, check_same_signature
+from ..runtime.consistency import NEW_SIGNATURE, NONFINITE, TensorMismatchError, agree, check_same_signature
 from ..params import check_int
 
 NONFINITE_POLICIES = ("raise", "skip", "propagate")
@@ -199,11 +199,13 @@ class Method:
             try:
                 out = self.feedback.reduce(self, x, name, comm, st)
             except _NonFiniteAgreed as agreed:     # nothing exchanged, no state kept: undo the step
-                if prev is None:
-                    self.state.pop(name, None)
-                else:
-                    st["t"] = st.t - 1
+                self._undo_step(name, prev, st)
                 return self._nonfinite_step(x, grad, in_dtype, name, comm, agreed.bad_ranks)
+            except TensorMismatchError:
+                # only the (deferred) agreement raises it, before any payload: the step did not
+                # happen on any rank, so its counter (which keys shared randomness) goes back too
+                self._undo_step(name, prev, st)
+                raise
             finally:
                 gate = self._gates().pop(threading.get_ident(), None)
             if gate is not None:
@@ -212,6 +214,14 @@ class Method:
         if out.shape != grad.shape:
             out = out.reshape(grad.shape)
         return out.astype(in_dtype, copy=False) if out.dtype != in_dtype else out
+
+    def _undo_step(self, name: str, prev: "TensorState | None", st: "TensorState") -> None:
+        """Forget the step counted for ``name`` (its first call: the whole state) when the
+        call's deferred agreement stopped it before any payload."""
+        if prev is None:
+            self.state.pop(name, None)
+        else:
+            st["t"] = st.t - 1
 
     def _agree_step(self, comm: Any, signature: tuple, finite: bool) -> list[int]:
         """The per-call agreement: one 1-byte allgather of (not finite, new signature) flags,
@@ -233,7 +243,11 @@ class Method:
         local work and before its first collective, so the agreement (and the
         NaN/Inf policy, and the signature check) still precede every payload,
         and a method whose pass reads ``x`` anyway can report finiteness from it
-        instead of :func:`_finite` reading the gradient once more. Default: no.
+        instead of :func:`_finite` reading the gradient once more. The method
+        must not change the tensor's state before the gate (a rejected step --
+        NaN/Inf, or a :class:`TensorMismatchError` -- only has its step counter
+        undone), so e.g. a method whose trackers would be re-created for a new
+        shape defers only when they fit. Default: no.
         """
         return False
 
