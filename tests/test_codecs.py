@@ -6,6 +6,7 @@ paper's formulas), never read back from the code under test.
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -164,6 +165,74 @@ def test_canonical_huffman_codes_are_prefix_free() -> None:
         for b in words:
             assert a == b or not b.startswith(a)
     assert lengths[0] <= lengths[6]
+
+
+def _huffman_reference_payload(support: np.ndarray) -> bytes:
+    """The Huffman index section built field by field from the module docstring's format:
+    classes counted in order of first occurrence, dahuffman's lengths, canonical codes, and
+    the interleaved (code, low bits) fields packed by ``bitio.pack_fields``."""
+    gaps = np.diff(np.concatenate([[-1], support])) - 1
+    classes = [int(g).bit_length() for g in gaps]
+    lengths = huffman_code_lengths(Counter(classes))
+    codes = canonical_codes(lengths)
+    head = bytes([len(lengths)]) + b"".join(bytes([s, lengths[s]]) for s in sorted(lengths))
+    if not classes:
+        return head
+    values = np.array([v for c, g in zip(classes, gaps) for v in (codes[c], int(g))], np.uint64)
+    widths = np.array([w for c in classes for w in (lengths[c], max(c - 1, 0))], np.int64)
+    return head + bitio.pack_fields(values, widths).tobytes()
+
+
+def _skewed_support(rng: np.random.Generator, classes: int) -> np.ndarray:
+    """Gaps whose bit-length classes have Fibonacci counts: code lengths up to ``classes - 1``."""
+    fib = [1, 1]
+    while len(fib) < classes:
+        fib.append(fib[-1] + fib[-2])
+    gaps = np.concatenate([np.full(f, (1 << c) - 1 if c else 0, np.int64)
+                           for c, f in enumerate(fib)])
+    rng.shuffle(gaps)
+    return np.cumsum(gaps + 1) - 1
+
+
+def test_huffman_stream_matches_the_field_by_field_reference() -> None:
+    """The compiled encoder writes the bytes of the reference; the table-driven decoder
+    (with its bit-by-bit fallback for codes longer than TABLE_BITS) reads them back."""
+    from horovod_compress.codecs.index_huffman import TABLE_BITS, HuffmanIndex
+    rng = np.random.default_rng(11)
+    cases = [np.sort(rng.choice(4_000_000, 40_000, replace=False)),      # Top-k 1 %
+             np.sort(rng.choice(2**40, 300, replace=False)),            # gaps above 2**32
+             np.arange(50), np.array([0]), np.array([2**40 - 1]), np.empty(0, np.int64),
+             _skewed_support(rng, 24)]                                   # codes up to 23 bits
+    for support in cases:
+        support = support.astype(np.int64)
+        n = int(support[-1]) + 1 if support.size else 1
+        payload = HuffmanIndex().encode(support, n, 0).payload
+        assert payload == _huffman_reference_payload(support)
+        np.testing.assert_array_equal(HuffmanIndex.decode(payload, n, support.size, 0), support)
+    skewed = cases[-1]
+    classes = [int(g).bit_length() for g in np.diff(np.concatenate([[-1], skewed])) - 1]
+    assert max(huffman_code_lengths(Counter(classes)).values()) > TABLE_BITS  # the fallback ran
+
+
+def test_huffman_decoder_reports_errors_inside_a_long_stream() -> None:
+    """Cuts and flips deep in a stream (where the fast path runs) raise, or decode to
+    strictly increasing indices inside the tensor -- never a wrong count or a crash."""
+    from horovod_compress.codecs.index_huffman import HuffmanIndex
+    rng = np.random.default_rng(12)
+    support = _skewed_support(rng, 16).astype(np.int64)
+    n = int(support[-1]) + 1
+    payload = HuffmanIndex().encode(support, n, 0).payload
+    for cut in range(40, len(payload), 97):
+        with pytest.raises(codecs.ContainerError, match="truncated"):
+            HuffmanIndex.decode(payload[:cut], n, support.size, 0)
+    for pos in range(40, len(payload), 89):
+        bad = bytearray(payload)
+        bad[pos] ^= 0x5A
+        try:
+            got = HuffmanIndex.decode(bytes(bad), n, support.size, 0)
+        except codecs.ContainerError:
+            continue
+        assert got.size == support.size and np.all(np.diff(got) > 0) and got[-1] < n
 
 
 # ------------------------------------------------------- lossless value codecs

@@ -195,6 +195,41 @@ def case_multistep_feedback_and_checkpoint(comm):
     return True
 
 
+def case_fused_residual_on_large_tensors(comm):
+    """n >= 2**16: EF14's x + e fused with Top-k (and the O(k) residual update) gives the
+    containers, mean and residual of the unfused definition, bit for bit, over steps;
+    a NaN step under nonfinite='skip' leaves the state as it was."""
+    n = 150_000
+    configs = [dict(), dict(index="bloom", policy="p0", fpr=0.01),
+               dict(index="bloom", policy="p2", fpr=0.01, value="polyfit"), dict(value="qsgd"),
+               dict(fp_values="sparse", index="bloom", policy="p1", fpr=0.01)]
+    rng = np.random.default_rng(700 + comm.rank)
+    for cfg in configs:
+        method = hvdc.Compression.deepreduce(density=0.01, nonfinite="skip", **cfg)
+        for t in range(1, 4):
+            x = rng.standard_normal(n).astype(np.float32)
+            e = method.state.get("w", {}).get("fb_residual", np.zeros(n, np.float32))
+            acc = x + e
+            twin = hvdc.Compression.deepreduce(density=0.01, **cfg)
+            data = twin.encode(acc, "w", t, comm.rank).data
+            decoded = [codecs.decode(d, expected_shape=(n,)) for d in comm.allgather_object(data)]
+            ref = _sum_in_rank_order(n, [(d.slots, d.values) for d in decoded], comm.size)
+            out = method.allreduce(x, "w", comm)
+            np.testing.assert_array_equal(out, ref, err_msg=str(cfg))
+            np.testing.assert_array_equal(method.state["w"]["fb_residual"],
+                                          acc - decoded[comm.rank].to_dense(), err_msg=str(cfg))
+            assert method.state["w"]["container_bytes"] == len(data)
+        before = method.state["w"]["fb_residual"].copy()
+        bad = rng.standard_normal(n).astype(np.float32)
+        if comm.rank == 0:
+            bad[17] = np.nan
+        out = method.allreduce(bad, "w", comm)
+        assert method.last_step_skipped and not out.any()
+        assert method.state["w"]["t"] == 3
+        np.testing.assert_array_equal(method.state["w"]["fb_residual"], before)
+    return True
+
+
 def case_p2_polyfit_volume(comm):
     """Top-k 1 %: Bloom P2 + polyfit sends well under Top-k's (index, value) pairs."""
     n = 60_000
@@ -229,6 +264,37 @@ def test_deepreduce_on_mpi_ranks(nprocs: int) -> None:
 
 
 # ------------------------------------------------------------- in-process
+def test_merge_sum_equals_the_float64_bincount_reference() -> None:
+    """kernels.merge_sum: the mean of P (slot, value) lists, each position summed in float64 in
+    list order, rounded once, divided by P in the output dtype -- the bits of np.bincount's
+    float64 sum, cast, then divided; unsorted lists, repeated slots, float16/32/64 values,
+    -0.0, and more lists than the merge takes (the bincount path)."""
+    from horovod_compress.kernels.merge_sum import MERGE_MAX_PARTS, merge_sum
+    rng = np.random.default_rng(21)
+    for trial in range(120):
+        n = int(rng.integers(1, 3000))
+        p = int(rng.integers(1, MERGE_MAX_PARTS + 4))
+        dtype = np.dtype([np.float32, np.float64][trial % 2])
+        slots, values = [], []
+        for j in range(p):
+            r = int(rng.integers(0, min(n, 200) + 1))
+            s = (rng.integers(0, n, r) if trial % 3 == 0
+                 else np.sort(rng.choice(n, r, replace=False)))
+            vtype = [np.float16, np.float32, np.float64][(trial + j) % 3]
+            span = 4 if vtype == np.float16 else 20          # finite in every value dtype
+            v = (rng.standard_normal(r) * 10.0 ** rng.integers(-span, span, r)).astype(vtype)
+            if r and trial % 4 == 0:
+                v[0] = -0.0
+            slots.append(s)
+            values.append(v)
+        ref = scatter_sum(n, np.concatenate(slots).astype(np.int64),
+                          np.concatenate([v.astype(np.float64) for v in values]), dtype)
+        ref = ref / dtype.type(p)
+        got = merge_sum(n, slots, values, dtype, p)
+        assert got.dtype == dtype
+        assert got.tobytes() == ref.tobytes(), (trial, n, p)
+
+
 def test_registered_with_measured_defaults() -> None:
     """Default index codec: Huffman (smaller and ~100x cheaper to decode than Bloom P2 at
     n = 4M, measured, docs/methods/deepreduce.md); Bloom keeps the paper's fpr and P2."""

@@ -87,6 +87,10 @@ class Encoded:
     slots: np.ndarray
     section_bytes: dict[str, int]
     value_codec: str
+    #: the values handed to the value codec: ``source`` at the index codec's
+    #: ``sources``, before a sorting codec's permutation (a raw value section holds
+    #: exactly these, in ``slots`` order)
+    values: np.ndarray | None = None
 
 
 def _lossy_unsafe(values: np.ndarray) -> bool:
@@ -95,7 +99,8 @@ def _lossy_unsafe(values: np.ndarray) -> bool:
 
 
 def encode(support: np.ndarray, source: np.ndarray, shape: Sequence[int],
-           index_codec: IndexCodec, value_codec: ValueCodec, seed: int) -> Encoded:
+           index_codec: IndexCodec, value_codec: ValueCodec, seed: int,
+           support_values: np.ndarray | None = None) -> Encoded:
     """Encode the sparse tensor with support ``support`` and values read from ``source``.
 
     ``support``: strictly increasing int64 flat indices (the sparsifier's S).
@@ -104,7 +109,10 @@ def encode(support: np.ndarray, source: np.ndarray, shape: Sequence[int],
     caller decides what ``source`` holds there. ``seed`` (< 2**64) drives the
     Bloom hashes and any random choice; it is stored in the container.
     A lossy value codec facing non-finite values is replaced by ``raw`` for
-    this container (the header says so).
+    this container (the header says so). ``support_values`` (optional):
+    ``source[support]``, when the caller holds it already (a selection kernel
+    wrote it); a lossless index codec sends exactly those values, so the
+    gather from ``source`` is skipped. The bytes are the same either way.
     """
     shape = tuple(int(s) for s in shape)
     n = int(np.prod(shape, dtype=np.int64))
@@ -118,7 +126,13 @@ def encode(support: np.ndarray, source: np.ndarray, shape: Sequence[int],
         raise ValueError("support must be strictly increasing indices inside the tensor")
     seed = int(seed) % 2**64
     enc = index_codec.encode(idx, n, seed)
-    values = src[enc.sources]
+    if support_values is not None and index_codec.lossless:
+        values = np.asarray(support_values)
+        if values.dtype != src.dtype or values.shape != idx.shape:
+            raise ValueError(f"support_values must be {idx.size} values of {src.dtype}, "
+                             f"got {values.shape} of {values.dtype}")
+    else:
+        values = src[enc.sources]
     if not value_codec.lossless and _lossy_unsafe(values):
         from .value_raw import RawValues
         value_codec = RawValues()
@@ -144,7 +158,7 @@ def encode(support: np.ndarray, source: np.ndarray, shape: Sequence[int],
     data = body + zlib.crc32(body).to_bytes(4, "little")
     return Encoded(data, slots, {"header": len(data) - len(ipayload) - len(vpayload) - len(ppayload),
                                  "index": len(ipayload), "value": len(vpayload),
-                                 "permutation": len(ppayload)}, value_codec.name)
+                                 "permutation": len(ppayload)}, value_codec.name, values)
 
 
 def decode(data: bytes | bytearray | memoryview | np.ndarray,
