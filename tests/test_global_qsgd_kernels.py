@@ -419,3 +419,165 @@ def test_ring_segments_cover_blocks():
         assert parts[0][0] == 17 and parts[-1][1] == 17 + size
         assert all(a[1] == b[0] for a, b in zip(parts[:-1], parts[1:]))
         assert all(hi - lo <= seg for lo, hi in parts)
+
+
+# ------------------------------------------ 8-bit quantizer with 16-bit draws (issues 15, 21)
+def _exp8_reference():
+    """exp_code of every element with the documented word exp8_word(key, i): the definition
+    of the 8-bit kernels of qsgd_fused, one element at a time."""
+    from numba import njit
+
+    from horovod_compress.kernels.qsgd_fused import exp8_word
+    from horovod_compress.kernels.quantize import exp_code
+    tiny = math.ldexp(1.0, 127 + 53)
+
+    @njit(cache=False)
+    def ref(x, scale, key, codes):
+        for i in range(x.size):
+            codes[i] = exp_code(np.float64(x[i]), scale, 127, 128, tiny, exp8_word(key, np.uint64(i)))
+    return ref
+
+
+def _hard_inputs(rng, n: int, kind: int) -> np.ndarray:
+    """Inputs that stress every branch: all float32 bit patterns (NaN, Inf, subnormals),
+    values a few ulps from powers of two, wide magnitudes, repeated magnitudes and zeros."""
+    if kind == 0:
+        return rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32).view(np.float32)
+    if kind == 1:
+        base = np.ldexp(1.0, rng.integers(-140, 10, n)).astype(np.float32)
+        off = rng.integers(-3, 4, n).astype(np.int32)
+        return (base.view(np.int32) + off).view(np.float32) * rng.choice([-1, 1], n).astype(np.float32)
+    if kind == 2:
+        return (rng.standard_normal(n) * 10.0 ** rng.uniform(-40, 38)).astype(np.float32)
+    return (np.full(n, rng.standard_normal(), np.float32)
+            * rng.choice([-1, 1, 0.5, 0.25, 2.0 ** -20, 0], n).astype(np.float32))
+
+
+def test_exp8_kernels_equal_exp_code_with_the_documented_words():
+    """exp8_quantize_range (+ _dequant_range) = exp_code(x_i, exp8_word(key, i)) for every
+    element, bit for bit: float32 and float64, NaN/Inf/subnormal/zero, values at and near
+    powers of two (where the float32 product and the float64 one straddle a level), scales
+    that saturate, that fall below the smallest level, or that float32 cannot hold, and
+    arbitrary cuts of the range."""
+    import warnings
+
+    from horovod_compress.kernels.qsgd_fused import (
+        exp8_quantize_dequant_range,
+        exp8_quantize_range,
+        exp_dequantize8_range,
+    )
+    ref = _exp8_reference()
+    rng = np.random.default_rng(11)
+    for trial in range(40):
+        n = int(rng.integers(1, 20_000))
+        x = _hard_inputs(rng, n, trial % 4)
+        if trial % 8 >= 4:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                x = x.astype(np.float64)
+        finite = np.abs(x[np.isfinite(x)])
+        norm = float(finite.max()) if finite.size and finite.max() > 0 else 1.0
+        norm = max(norm * float(rng.choice([1.0, 1.0, 0.3, 3.0, 1e-30, 1e20, 1e-300])), 1e-300)
+        c = int(rng.integers(1, 30))
+        scale, d_scale = 2.0 ** -c / norm, norm * 2.0 ** c
+        key = np.uint64(rng.integers(0, 2**63))
+        expect = np.empty(n, np.uint8)
+        ref(x, scale, key, expect)
+        got, codes, local = np.zeros(n, np.uint8), np.zeros(n, np.uint8), np.empty(n, x.dtype)
+        cuts = sorted({0, n, *rng.integers(0, n + 1, 3).tolist()})
+        for lo, hi in zip(cuts[:-1], cuts[1:]):
+            exp8_quantize_range(x, scale, key, got, lo, hi)
+            exp8_quantize_dequant_range(x, scale, key, d_scale, codes, local, lo, hi)
+        assert np.array_equal(got, expect), (trial, x.dtype, norm, c)
+        assert np.array_equal(codes, expect), (trial, x.dtype, norm, c)
+        ref_local = np.empty(n, x.dtype)
+        exp_dequantize8_range(expect, d_scale, ref_local, 0, n)
+        assert np.array_equal(local.view(np.uint8), ref_local.view(np.uint8)), trial
+
+
+def test_exp8_words_are_the_documented_draws():
+    """exp8_word(key, i): top 16 bits 2^16 - 1 - (16-bit lane i % 4 of word i // 4), low 48
+    bits word 2^62 + i >> 16, of the SplitMix64 stream (random_words)."""
+    from horovod_compress.kernels.qsgd_fused import EXP8_FINE, exp8_word
+    key = np.uint64(0xDEADBEEF12345)
+    n = 103
+    draws = random_words(key, np.uint64(0), (n + 3) // 4).view(np.uint16)[:n].astype(np.uint64)
+    fine = random_words(key, EXP8_FINE, n)
+    for i in range(n):
+        expect = (np.uint64(0xFFFF - int(draws[i])) << np.uint64(48)) | (fine[i] >> np.uint64(16))
+        assert exp8_word(key, np.uint64(i)) == expect, i
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_exp8_rounding_probabilities_and_unbiasedness(dtype):
+    """P(round up) = y / 2^-e - 1 (5 sigma) and E[value] = y, for values whose mantissa
+    needs more than the 16 drawn bits (the refinement decides a 2^-16 sliver exactly)."""
+    from horovod_compress.kernels.qsgd_fused import exp8_quantize_range
+    n = 200_000
+    for y, low_e in [(0.3, 2), (0.126, 3), (0.0390625 * (1 + 2.0 ** -20), 5),
+                     (2.0 ** -9 * (1 + 1 / 3), 9), (2.0 ** -40 * 1.999, 40)]:
+        x = np.full(n, -y, dtype=dtype)
+        codes = np.empty(n, np.uint8)
+        exp8_quantize_range(x, 1.0, np.uint64(17), codes, 0, n)
+        vals = exp_dequantize(codes, 1.0, 8, np.float64)
+        lo = 2.0 ** -low_e
+        assert set(np.unique(vals)) <= {-lo, -2 * lo}, y
+        p_up = (float(dtype(y)) - lo) / lo
+        sigma = math.sqrt(p_up * (1 - p_up) / n)
+        assert abs((vals == -2 * lo).mean() - p_up) < 5 * sigma, (y, p_up)
+        assert abs(vals.mean() + float(dtype(y))) < 5 * sigma * 2 * lo
+
+
+def test_exp8_dequantize_equals_the_float64_product():
+    """exp8_dequantize_range: the bits of exp_dequantize8_range for all 256 codes, for scales
+    on the exponent-subtraction path (fl32(d) >= 2), below it, huge, and float64 outputs."""
+    from horovod_compress.kernels.qsgd_fused import exp8_dequantize_range, exp_dequantize8_range
+    codes = np.arange(256, dtype=np.uint8)
+    for d in (2.0, 3.5, 1.9999999, 1.0, 1e-30, 1e30, 3.4e38, 1e39, 262144.0 * 0.731):
+        for dtype in (np.float32, np.float64):
+            ref, got = np.empty(256, dtype), np.empty(256, dtype)
+            exp_dequantize8_range(codes, d, ref, 0, 256)
+            exp8_dequantize_range(codes, d, got, 0, 256)
+            assert np.array_equal(got.view(np.uint8), ref.view(np.uint8)), (d, dtype)
+
+
+def test_exp_reduce8_range_equals_the_pair_kernel_with_one_word_per_code():
+    """exp_reduce8_range (the MPI operator's loop, byte lanes since issue 21) = exp_reduce_pair
+    with word counter + i for every byte, on random bytes (many lanes needing the whole word)
+    and on quantized gradients, whole, by unaligned ranges and with ``out`` aliasing a or b;
+    saturations counted as the pair kernel counts them."""
+    from numba import njit
+
+    from horovod_compress.kernels.exp_reduce import exp_reduce8_into, exp_reduce8_range, exp_reduce_pair
+
+    @njit(cache=False)
+    def saturations(a, b, words):
+        s = 0
+        for i in range(a.size):
+            s += exp_reduce_pair(np.int64(a[i]), np.int64(b[i]), words[i], 7)[1]
+        return s
+
+    rng = np.random.default_rng(21)
+    for trial in range(24):
+        n = int(rng.integers(1, 9000))
+        if trial % 3 == 0:
+            a = rng.integers(0, 256, n).astype(np.uint8)
+            b = rng.integers(0, 256, n).astype(np.uint8)
+        else:   # near exponents and both signs, saturating pairs at e = 1..3 included
+            top = 4 if trial % 3 == 1 else 30
+            a = (rng.integers(1, top, n) | (rng.integers(0, 2, n) << 7)).astype(np.uint8)
+            b = (rng.integers(1, top + 9, n) | (rng.integers(0, 2, n) << 7)).astype(np.uint8)
+        key, counter = np.uint64(rng.integers(0, 2**63)), np.uint64(rng.integers(0, 2**40))
+        words = random_words(key, counter, n)
+        expect = exp_reduce_codes(a, b, words, 8)
+        out = np.zeros(n, np.uint8)
+        lo = int(rng.integers(0, n + 1))
+        hi = int(rng.integers(lo, n + 1))
+        sat = sum(exp_reduce8_range(a, b, out, key, counter, u, v)
+                  for u, v in ((0, lo), (lo, hi), (hi, n)))
+        assert np.array_equal(out, expect), trial
+        assert sat == saturations(a, b, words), trial
+        for alias in ("a", "b"):
+            aa, bb = a.copy(), b.copy()
+            exp_reduce8_into(aa, bb, aa if alias == "a" else bb, key, counter)
+            assert np.array_equal(aa if alias == "a" else bb, expect), (trial, alias)

@@ -161,6 +161,12 @@ def check_exp_quantize(to_dev, to_host):
         c1 = cpu.exp_quantize(x, scale, bits, 99)
         c2 = gpu.exp_quantize(to_dev(x), scale, bits, 99)
         _eq(to_host(c2), c1, f"codes bits={bits} scale={scale}")
+    # Global-QSGD's 8-bit word layout: the host's exp8_quantize, at scales where the 16-bit draw
+    # decides almost every element and where the whole word must (tiny values, above 1/2)
+    from horovod_compress.kernels import qsgd_fused
+    for scale in (1.0, 0.02, 1e-30):
+        _eq(to_host(gpu.exp8_quantize(to_dev(x), scale, 99)), qsgd_fused.exp8_quantize(x, scale, 99),
+            f"exp8 codes scale={scale}")
     codes8 = np.arange(256, dtype=np.uint8)
     _eq(to_host(gpu.exp_dequantize(to_dev(codes8), 3.0, 8)), cpu.exp_dequantize(codes8, 3.0, 8), "deq8")
     codes4 = np.arange(16, dtype=np.uint8)

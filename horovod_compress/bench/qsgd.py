@@ -7,9 +7,13 @@ a warm-up), all in the same process so the baselines share the machine state:
   float32 (``MPI.SUM.Reduce_local``: the reduction an allreduce applies, without
   the network) -- the paper's gamma is 4N / t(MPI_SUM);
 * quantize + dequantize of each variant (exp8, exp4, lin8, lin4): local norm,
-  stochastic rounding, packing; then unpacking and dequantizing;
+  stochastic rounding, packing; then unpacking and dequantizing -- with the
+  kernels ``global_qsgd`` runs on NumPy arrays (exp8: the 16-bit-draw quantizer
+  ``qsgd_fused.exp8_quantize_range`` and ``exp8_dequantize_range``; the others:
+  ``kernels.quantize``'s);
 * the reduction operator each variant's allreduce applies to its N-element
-  payload: Algorithm 2 as ``MPI.Op.Create`` operator (exp8, exp4), int8
+  payload and another rank's (the codes of a second gradient, so exponents differ
+  as they do between ranks): Algorithm 2 as ``MPI.Op.Create`` operator (exp8, exp4), int8
   ``MPI_SUM`` (lin8), the packed-nibble sum operator (lin4), via ``Reduce_local``;
   for exp8 also the kernel the pipelined ring calls directly on each segment
   (``exp_reduce8_lanes_range``: Algorithm 2 on 8 byte lanes per word, row
@@ -78,25 +82,36 @@ def _variant_kernels(name: str, x: np.ndarray, world_size: int) -> dict[str, Cal
         pack_nibbles,
         unpack_nibbles,
     )
+    from ..kernels.qsgd_fused import exp8_dequantize_range, exp8_quantize_range
     from ..mpi_collectives.reduce_ops import exp_sum_op, nibble_sum_op, reduce_stream
     n = x.size
     bits = VARIANTS[name]["bits"]
     key = 12345
+    other_x = np.random.default_rng(1).standard_normal(n).astype(x.dtype)   # another rank's
     if VARIANTS[name]["dithering"] == "exponential":
         c = exp_shift(bits, world_size, 16 if bits == 8 else 0)
 
+        def codes_of(v: np.ndarray, k: int) -> np.ndarray:
+            scale = 2.0 ** -c / abs_max(v)
+            if bits == 4:
+                return pack_nibbles(exp_quantize(v, scale, bits, k))
+            codes = np.empty(n, dtype=np.uint8)   # the method's 8-bit kernel (16-bit draws)
+            exp8_quantize_range(v, scale, np.uint64(k), codes, 0, n)
+            return codes
+
         def quantize() -> np.ndarray:
-            norm = abs_max(x)
-            codes = exp_quantize(x, 2.0 ** -c / norm, bits, key)
-            return codes if bits == 8 else pack_nibbles(codes)
+            return codes_of(x, key)
 
         payload = quantize()
 
         def dequantize() -> np.ndarray:
-            codes = payload if bits == 8 else unpack_nibbles(payload, n)
-            return exp_dequantize(codes, 2.0 ** c, bits)
+            if bits == 4:
+                return exp_dequantize(unpack_nibbles(payload, n), 2.0 ** c, bits)
+            out = np.empty(n, dtype=np.float32)
+            exp8_dequantize_range(payload, 2.0 ** c, out, 0, n)
+            return out
 
-        other = quantize()
+        other = codes_of(other_x, key + 1)
         op = exp_sum_op(bits)
 
         def reduce() -> None:
@@ -113,10 +128,12 @@ def _variant_kernels(name: str, x: np.ndarray, world_size: int) -> dict[str, Cal
     else:
         s = linear_levels(bits, world_size)
 
-        def quantize() -> np.ndarray:
-            norm = abs_max(x)
-            q = linear_quantize(x, 1.0 / norm, s, key)
+        def levels_of(v: np.ndarray, k: int) -> np.ndarray:
+            q = linear_quantize(v, 1.0 / abs_max(v), s, k)
             return q if bits == 8 else pack_nibbles(q)
+
+        def quantize() -> np.ndarray:
+            return levels_of(x, key)
 
         payload = quantize()
 
@@ -124,7 +141,7 @@ def _variant_kernels(name: str, x: np.ndarray, world_size: int) -> dict[str, Cal
             q = payload if bits == 8 else unpack_nibbles(payload, n, signed=True)
             return linear_dequantize(q, 1.0 / s)
 
-        other = quantize()
+        other = levels_of(other_x, key + 1)
         op = MPI.SUM if bits == 8 else nibble_sum_op()
 
         def reduce() -> None:

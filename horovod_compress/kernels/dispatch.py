@@ -202,6 +202,8 @@ for _module, _names in _BUILTIN.items():
         register_kernel(_name, f"{_PKG}.{_module}:{_name}", f"{_PKG}.gpu.{_module}:{_name}",
                         f"{_PKG}.parallel:{_name}" if _name in _PARALLEL else None, work=_WORK.get(_name))
 del _module, _names, _name
+# Global-QSGD's 8-bit codes with its word layout (one draw decides most elements)
+register_kernel("exp8_quantize", f"{_PKG}.qsgd_fused:exp8_quantize", f"{_PKG}.gpu.quantize:exp8_quantize")
 
 __all__ = ["CPU", "GPU", "PARALLEL", "PARALLEL_MIN_SIZE", "KernelEntry", "call", "choose", "device_of", "get_array_module", "has_gpu",
            "implementation", "is_gpu_array", "kernel", "register_kernel", "registered"]

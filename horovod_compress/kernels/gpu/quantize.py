@@ -23,7 +23,10 @@ from numba import cuda
 
 from ..quantize import exp_code_layout
 from ._common import empty, flat, grid_stride, guard_simulator_globals, ldexp
-from .rng import random_uniform
+from .rng import TWO_POW_M53, random_uniform, random_word
+
+#: Index offset of the refinement words of the 8-bit layout (``kernels.qsgd_fused.EXP8_FINE``).
+EXP8_FINE = np.uint64(1 << 62)
 
 
 # ------------------------------------------------------------------- linear
@@ -102,6 +105,50 @@ def _exp_quantize_at(i, x, scale, emax, sign_shift, key, out):
 
 
 _EXP_QUANTIZE = grid_stride(_exp_quantize_at)
+
+
+@cuda.jit(device=True)
+def exp8_word(key, i):
+    """Element ``i``'s rounding word in Global-QSGD's 8-bit layout (``kernels.qsgd_fused.exp8_word``):
+    top 16 bits 2^16 - 1 - (16-bit lane i % 4 of word i // 4), low 48 bits word 2^62 + i >> 16."""
+    h = (random_word(key, i >> np.uint64(2)) >> (np.uint64(16) * (i & np.uint64(3)))) & np.uint64(0xFFFF)
+    fine = random_word(key, EXP8_FINE + i)
+    return ((np.uint64(0xFFFF) - h) << np.uint64(48)) | (fine >> np.uint64(16))
+
+
+@cuda.jit(device=True)
+def _exp8_quantize_at(i, x, scale, key, out, _4, _5):
+    """:func:`_exp_quantize_at` at 8 bits (emax 127, sign bit 7) with the word :func:`exp8_word`."""
+    v = np.float64(x[i])
+    a = abs(v) * scale
+    code = np.int64(0)
+    if a > 0.0 and a < math.inf:
+        m, ex = math.frexp(a)
+        e_low = np.int64(1) - np.int64(ex)
+        u = np.float64(exp8_word(key, np.uint64(i)) >> np.uint64(11)) * TWO_POW_M53
+        if e_low > 127:
+            e = np.int64(127) if u < ldexp(a, 127) else np.int64(0)
+        else:
+            e = e_low - 1 if u < 2.0 * m - 1.0 else e_low
+            if e < 1:
+                e = np.int64(1)
+        code = e
+        if v < 0.0 and e > 0:
+            code = e | np.int64(128)
+    out[i] = code
+
+
+_EXP8_QUANTIZE = grid_stride(_exp8_quantize_at)
+
+
+def exp8_quantize(x: Any, scale: float, key: int) -> Any:
+    """uint8 8-bit exponential codes of ``x`` with the words of :func:`exp8_word`: the codes
+    the host's ``kernels.qsgd_fused.exp8_quantize`` gives for the same ``key`` (Global-QSGD's
+    8-bit layout), as ``exp_quantize(x, scale, 8, key)`` gives them for word ``i``."""
+    x = flat(x)
+    out = empty(x, x.size, np.uint8)
+    _EXP8_QUANTIZE(x.size, x, np.float64(scale), np.uint64(key), out)
+    return out
 
 
 def exp_quantize(x: Any, scale: float, bits: int, key: int) -> Any:
