@@ -10,8 +10,10 @@ chosen by rank 0) inside the same mpirun ranks, feeds identical inputs to
 ``torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook`` (one tensor per
 bucket) and to our PowerSGD on mpi4py with the same rank, seed, warm start,
 error feedback, ``start_powerSGD_iter`` and ``min_compression_rate``, and
-compares every output of every step. The remaining PowerSGD cases (bytes, edge
-shapes, checkpoints) run with the other low-rank methods in
+compares every output of every step. Single-process: the three m x n passes of
+``kernels/powersgd.py`` against NumPy and their documented rounding order, and
+the NaN/Inf check taken from ``M Q``'s pass. The remaining PowerSGD cases
+(bytes, edge shapes, checkpoints) run with the other low-rank methods in
 tests/test_greedylore.py.
 """
 from __future__ import annotations
@@ -23,8 +25,11 @@ import numpy as np
 import pytest
 
 import horovod_compress as hvdc
+from horovod_compress.compressors import base as method_base
+from horovod_compress.compressors.base import NonFiniteGradientError
 from horovod_compress.compressors.lowrank_common import orthogonalize, should_compress
-from horovod_compress.compressors.powersgd import PowerSGD
+from horovod_compress.compressors.powersgd import PowerSGD, orthogonalize_in_place
+from horovod_compress.kernels import powersgd as kernels
 from horovod_compress.mpi_collectives.accounting import allreduce_volume
 from horovod_compress.testing import low_rank_gradient, relative_error, run_cases, same_on_all_ranks
 
@@ -202,16 +207,26 @@ def test_should_compress_equals_torch_rule(rows, cols, rank, rate):
     assert should_compress(rows, cols, rank, rate) == ph._should_compress(rows, cols, r, rate)[0]
 
 
+@pytest.mark.parametrize("ours", [orthogonalize, orthogonalize_in_place],
+                         ids=["lowrank_common", "in_place"])
 @pytest.mark.parametrize("cols, eps", [(1, 0.0), (2, 0.0), (2, 1e-8), (3, 0.0), (7, 0.0)])
-def test_orthogonalize_equals_torch(cols, eps):
+def test_orthogonalize_equals_torch(cols, eps, ours):
     torch = pytest.importorskip("torch")
     ph = pytest.importorskip("torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook")
     rng = np.random.default_rng(cols)
     a = rng.standard_normal((20, cols))
     theirs = torch.from_numpy(a.copy())[None]
     ph._orthogonalize(theirs, eps)
-    mine = orthogonalize(a.copy(), eps)
+    mine = ours(a.copy(), eps)
     assert np.allclose(mine, theirs[0].numpy(), atol=1e-12)
+    # float32 (PowerSGD's usual dtype; torch's QR in float32 too), C- and F-ordered input
+    for order in "CF":
+        a32 = np.array(a, dtype=np.float32, order=order)
+        theirs32 = torch.from_numpy(np.ascontiguousarray(a32))[None]
+        ph._orthogonalize(theirs32, eps)
+        mine32 = ours(a32, eps)
+        assert mine32 is a32                       # in place, whatever the order
+        assert np.allclose(mine32, theirs32[0].numpy(), atol=2e-6)
 
 
 def test_orthogonalize_keeps_zero_column_zero():
@@ -267,3 +282,144 @@ def test_expected_bytes():
     assert m.expected_bytes((6, 6), 4) == 36 * w
     assert m.expected_bytes((16, 4, 3, 3), 4) == (16 + 36) * 4 * w
     assert m.expected_bytes((30,), 4) == 30 * w
+
+
+# ------------------------------------------ the m x n passes (kernels/powersgd.py)
+KERNEL_SHAPES = [(1, 1), (3, 5), (5, 1), (4, 4), (7, 9), (13, 40), (64, 16), (2, 200), (201, 33)]
+
+
+def _fma_chain(pairs):
+    """float32 ``fma(a_last, b_last, ... fma(a_0, b_0, +0))`` per element, emulated in float64
+    (each product is exact there; the seeded inputs hit no double-rounding case)."""
+    out = None
+    for a, b in pairs:
+        prod = a.astype(np.float64) * b.astype(np.float64)
+        out = (prod + (0.0 if out is None else out.astype(np.float64))).astype(np.float32)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_kernels_equal_numpy_within_rounding(dtype):
+    """add_and_project, project, project_t and low_rank_product against float64 NumPy, for
+    row counts that are and are not multiples of 4 and every rank 1-9 (padded to 4 columns)."""
+    rng = np.random.default_rng(5)
+    eps = np.finfo(dtype).eps
+    for m, n in KERNEL_SHAPES:
+        for r in range(1, 10):
+            x, e = rng.standard_normal((2, m, n)).astype(dtype)
+            q = rng.standard_normal((n, r)).astype(dtype)
+            acc = np.empty_like(x)
+            p = kernels.add_and_project(x, e, acc, q)
+            assert np.array_equal(acc, x + e)
+            big = acc.astype(np.float64)
+            for got, want, k in ((p, big @ q, n), (kernels.project_t(acc, p), big.T @ p, m)):
+                assert got.dtype == dtype and got.flags.c_contiguous and got.shape == want.shape
+                assert np.abs(got - want).max() <= 4 * k * eps * (1 + np.abs(want).max()), (m, n, r)
+            qq = rng.standard_normal((n, r)).astype(dtype)
+            est, err = np.empty_like(x), acc.copy()
+            kernels.low_rank_product(p, qq, est, err)
+            want = p.astype(np.float64) @ qq.T
+            assert np.abs(est - want).max() <= 4 * r * eps * (1 + np.abs(want).max()), (m, n, r)
+            assert np.array_equal(err, acc - est)
+            alone = np.empty_like(x)
+            assert np.array_equal(kernels.low_rank_product(p, qq, alone), est)
+
+
+def test_add_and_project_gives_the_same_bits_in_place_and_alone():
+    """M = x + e into a fresh buffer (the per-tensor path), into e itself (the DDP bucket path),
+    and project() of the finished M give the same M Q bit for bit -- what keeps the two
+    paths equal on 2 ranks."""
+    rng = np.random.default_rng(6)
+    for dtype in (np.float32, np.float64):
+        for m, n in KERNEL_SHAPES:
+            for r in (1, 3, 4, 8):
+                x, e = rng.standard_normal((2, m, n)).astype(dtype)
+                q = rng.standard_normal((n, r)).astype(dtype)
+                acc = np.empty_like(x)
+                fresh = kernels.add_and_project(x, e, acc, q)
+                inplace_e = e.copy()
+                inplace = kernels.add_and_project(x, inplace_e, inplace_e, q)
+                assert np.array_equal(inplace_e, acc)
+                assert np.array_equal(fresh, inplace) and np.array_equal(fresh, kernels.project(acc, q))
+    x = np.ones((4, 4), np.float32)
+    with pytest.raises(ValueError, match="overlap"):
+        kernels.add_and_project(x, x.copy(), x, np.ones((4, 2), np.float32))
+
+
+def test_products_are_fma_chains_in_documented_order():
+    """P Q^T: out[i, j] = fma over k = 0..r-1 from +0; M^T P: out[j, k] = fma over rows
+    i = 0..m-1 from +0 (kernels/powersgd.py's docstring), whatever the grouping in sweeps."""
+    rng = np.random.default_rng(7)
+    for r in (1, 2, 3, 4, 5, 8, 9):
+        p = rng.standard_normal((37, r)).astype(np.float32)
+        q = rng.standard_normal((531, r)).astype(np.float32)
+        out = kernels.low_rank_product(p, q, np.empty((37, 531), np.float32))
+        want = _fma_chain((p[:, k:k + 1], q[None, :, k]) for k in range(r))
+        assert np.array_equal(out, want), r
+    mat = rng.standard_normal((23, 301)).astype(np.float32)
+    p = rng.standard_normal((23, 8)).astype(np.float32)
+    want = _fma_chain((mat[i][:, None], p[i][None, :]) for i in range(23))
+    assert np.array_equal(kernels.project_t(mat, p), want)
+
+
+class _Counter:
+    def __init__(self, fn):
+        self.fn, self.calls = fn, 0
+
+    def __call__(self, x):
+        self.calls += 1
+        return self.fn(x)
+
+
+def test_finite_check_comes_from_m_q(monkeypatch):
+    """With q_init='shared', under EF14 or no feedback, the NaN/Inf check of a compressed
+    gradient comes from M Q (a NaN or infinity in M makes its row of M Q non-finite): no
+    extra read of the gradient; the exact test runs only when M Q is not finite."""
+    from horovod_compress.mpi_collectives import Communicator
+    comm = Communicator()
+    counter = _Counter(method_base._finite)
+    monkeypatch.setattr(method_base, "_finite", counter)
+    rng = np.random.default_rng(8)
+    for feedback in ("residual", "none"):
+        m = PowerSGD(rank=4, feedback=feedback)
+        for _ in range(3):
+            m.allreduce(rng.standard_normal((40, 30)).astype(np.float32), "w", comm)
+        assert counter.calls == 0, feedback
+        assert not m._defers_finite_check(np.zeros(30, np.float32), "b", comm)   # sent dense
+    assert not PowerSGD(q_init="torch")._defers_finite_check(np.zeros((40, 30), np.float32),
+                                                             "w", comm)
+    # a finite gradient whose M = g + e overflows: M Q is not finite, the exact test says finite
+    m = PowerSGD(rank=4)
+    m.allreduce(np.ones((40, 30), np.float32), "w", comm)
+    m.state["w"]["fb_residual"][...] = np.float32(3e38)
+    m.allreduce(np.full((40, 30), 3e38, np.float32), "w", comm)
+    assert counter.calls == 1
+
+
+def test_nonfinite_gradient_leaves_the_state_as_it_was():
+    """A NaN or infinity found by M Q's pass: 'raise' raises, 'skip' returns zeros; either way
+    the residual, Q and step count stay as they were, and later steps equal those of a twin
+    that never saw the bad gradient."""
+    from horovod_compress.mpi_collectives import Communicator
+    comm = Communicator()
+    rng = np.random.default_rng(9)
+    grads = [rng.standard_normal((40, 30)).astype(np.float32) for _ in range(5)]
+    for policy in ("raise", "skip"):
+        for bad_value in (np.nan, np.inf):
+            m, twin = PowerSGD(rank=4, nonfinite=policy), PowerSGD(rank=4, nonfinite=policy)
+            for g in grads[:2]:
+                m.allreduce(g, "w", comm)
+                twin.allreduce(g, "w", comm)
+            before = {k: np.array(v, copy=True) for k, v in m.state["w"].items()}
+            bad = grads[2].copy()
+            bad[7, 3] = bad_value
+            if policy == "raise":
+                with pytest.raises(NonFiniteGradientError):
+                    m.allreduce(bad, "w", comm)
+            else:
+                assert not m.allreduce(bad, "w", comm).any() and m.last_step_skipped
+            assert m.state["w"].keys() == before.keys()
+            for k, v in before.items():
+                assert np.array_equal(m.state["w"][k], v), (policy, k)
+            for g in grads[3:]:
+                assert np.array_equal(m.allreduce(g, "w", comm), twin.allreduce(g, "w", comm))

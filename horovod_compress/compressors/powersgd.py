@@ -45,9 +45,31 @@ hook calls): the same computation for every tensor of the bucket, with the
 collectives of each step fused across the bucket -- all ``M_i Q`` and the
 tensors sent dense in one allreduce, all ``M_i^T P`` in the next -- as the
 paper's Section 4 and ``powerSGD_hook`` pack them; no collective and no
-thread per tensor. The estimate ``P Q^T`` and the new error ``M_i - P Q^T``
-are one pass (:func:`~horovod_compress.kernels.powersgd.low_rank_product`,
-used by both paths, so they agree bit for bit on 2 ranks).
+thread per tensor. Both paths run the same kernels, so they agree bit for bit
+on 2 ranks.
+
+Cost on CPU (issue 21). A step touches the ``m x n`` matrix in three passes
+(:mod:`horovod_compress.kernels.powersgd`), the fewest the algorithm allows:
+``M^T P`` needs ``P = orth(sum_i M_i Q)``, so a collective separates it from
+``M Q``, and the estimate needs the averaged ``Q``, so another separates it
+from ``M^T P``. (1) ``M = g + e`` (EF14, written once, into the feedback's
+spare buffer) fused with ``M Q``; (2) ``M^T P``; (3) the estimate ``P Q^T``
+(a new array: the caller keeps it) and the new error ``M - P Q^T`` in one
+write of each. The NaN/Inf agreement takes finiteness from ``M Q``
+(:meth:`PowerSGD._defers_finite_check`), so the gradient is not read once more
+for it; ``Q`` and ``P`` are orthogonalized in place
+(:func:`orthogonalize_in_place`). One call at P = 1, 2000 x 2000 float32,
+rank 8, one thread, median of 90 calls in three runs alternating with the
+previous code (memcpy of the gradient 1.1 ms): before, 8.6 ms -- finite check
+0.6, EF14's ``np.add`` and ``np.subtract`` 3.1, ``M Q`` 1.6, ``M^T P`` 1.45
+(BLAS on the transposed view), ``P Q^T`` 1.45 (BLAS into a new array),
+``np.linalg.qr`` twice 0.25, the rest 0.1; after, 5.6 ms (5.1x the memcpy) --
+pass 1 2.45, pass 2 1.05, pass 3 1.8, orthogonalizations 0.1, the rest 0.25.
+The traffic floor is 3 memcpys (144 MB moved against 48); of the 2.3 ms
+above it, 1.25 ms are the arithmetic of ``M Q`` and ``M^T P`` that memory
+does not hide (docs/methods/greedylore.md, "PowerSGD: cost on CPU"). A DDP
+bucket (:meth:`PowerSGD.allreduce_many`) still reads each gradient once for
+its NaN/Inf check: its agreement round comes before any work.
 
 Deviation: the hook's error for a tensor sent dense is ``x_i - avg`` (it
 subtracts the averaged bucket); here a dense tensor leaves no error. Both give
@@ -58,9 +80,10 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import numpy as np
+from scipy.linalg import get_lapack_funcs
 
 from ..kernels.arrays import is_gpu_array
-from ..kernels.powersgd import fits, low_rank_product
+from ..kernels.powersgd import add_and_project, fits, low_rank_product, project, project_t
 from ..mpi_collectives.lockstep import Lockstep, fused_allreduce, fused_check_allgather
 from ..runtime import world as _world
 from ..runtime.consistency import (
@@ -96,13 +119,14 @@ _BATCHED_FEEDBACK = ("none", "residual")
 class _Job:
     """One tensor's PowerSGD step between its messages (``mat is None``: sent dense)."""
 
-    __slots__ = ("x", "name", "state", "mat", "send", "p")
+    __slots__ = ("x", "name", "state", "mat", "send", "p", "finite")
 
     def __init__(self, x: np.ndarray, name: str, state: TensorState) -> None:
         self.x, self.name, self.state = x, name, state
         self.mat: np.ndarray | None = None
         self.send: np.ndarray | None = None
         self.p: np.ndarray | None = None
+        self.finite: bool | None = None
 
 
 def _put(out: Any, avg: Any) -> Any:
@@ -115,15 +139,48 @@ def _put(out: Any, avg: Any) -> Any:
 Q_SOURCES: dict[str, Callable[[int, int, int, np.dtype], np.ndarray]] = {}
 
 
+def orthogonalize_in_place(mat: np.ndarray, epsilon: float = 0.0) -> np.ndarray:
+    """:func:`~horovod_compress.compressors.lowrank_common.orthogonalize`, LAPACK called in place.
+
+    Orthonormalizes the columns of ``mat`` (rows >= cols) as ``powerSGD_hook``'s
+    ``_orthogonalize`` does: one or two columns by lowrank_common's modified
+    Gram-Schmidt; more by Householder QR, here LAPACK's ``?geqrf`` and
+    ``?orgqr`` through SciPy's wrappers overwriting one F-ordered copy of
+    ``mat`` (``mat`` itself when it is F-ordered), then ``Q`` written back --
+    the same algorithm as ``torch.linalg.qr``, so the same column signs, and
+    36 against 127 us for a 2000 x 8 float32 ``P`` (``np.linalg.qr`` also
+    allocates ``R`` and ``Q`` and zeroes ``R``'s lower triangle). The last bits
+    may differ from NumPy's LAPACK build; PowerSGD alone uses it (GreedyLore
+    and the lazy projection keep lowrank_common's). Returns ``mat``.
+    """
+    rows, cols = mat.shape
+    if cols <= 2 or mat.dtype not in (np.float32, np.float64) or rows < cols:
+        return orthogonalize(mat, epsilon)
+    geqrf, orgqr = get_lapack_funcs(("geqrf", "orgqr"), (mat,))
+    work = mat if mat.flags.f_contiguous else np.asfortranarray(mat)
+    qr, tau, _lwork, info = geqrf(work, overwrite_a=True)
+    if info == 0:
+        q, _lwork, info = orgqr(qr, tau, overwrite_a=True)
+    if info != 0:
+        raise np.linalg.LinAlgError(f"LAPACK QR failed (info={info}) on a {rows} x {cols} matrix")
+    if not np.shares_memory(q, mat):
+        mat[...] = q
+    return mat
+
+
 def register_q_source(name: str, draw: Callable[[int, int, int, np.dtype], np.ndarray]) -> None:
     """Make ``draw(seed, cols, r, dtype)`` the generator behind ``q_init=name``."""
     Q_SOURCES[name] = draw
 
 
-#: Up to this rank ``P Q^T`` (and the new error) come from the fused Numba pass; above it
-#: BLAS's GEMM is faster (2000 x 2000, one thread: r = 4 1.6 ms either way, r = 8 3.0 ms
-#: for the pass against 1.45 ms for the GEMM).
-FUSED_MAX_RANK = 4
+#: Up to this rank the three m x n passes run in :mod:`horovod_compress.kernels.powersgd`
+#: (``M = g + e`` with ``M Q``, ``M^T P``, ``P Q^T`` with the new error); above it
+#: ``np.add``, BLAS's GEMMs and ``np.subtract``. Measured in step order (2000 x 2000
+#: float32, one thread, fastest of 40): r = 12 5.8 ms for the kernels against 7.5 ms;
+#: r = 16 7.2 against 7.7 ms, but ``M^T P`` alone already slower (1.6-1.9 against 1.5
+#: ms); r = 24 9.4 against 8.9 ms. The rule depends on the rank alone, so the
+#: per-tensor and bucket paths pick the same arithmetic.
+KERNEL_MAX_RANK = 12
 
 @register
 class PowerSGD(Method):
@@ -171,16 +228,30 @@ class PowerSGD(Method):
                                "import horovod_compress.torch first (the core does not import torch)")
         return draw(int(self._torch_rng.randint(1_000_000_000)), cols, r, dtype)
 
-    def _start(self, x: np.ndarray, name: str, state: TensorState) -> "_Job":
+    def _start(self, x: np.ndarray, name: str, state: TensorState, e: np.ndarray | None = None,
+               acc: np.ndarray | None = None) -> "_Job":
         """Algorithm 1 up to the first message: the matrix view, ``Q`` (orthogonalized), ``M Q``.
 
-        A tensor the min-compression-rate rule leaves dense gets a job with
-        ``mat is None`` (it is averaged with one dense allreduce of ``x``).
+        Without ``e``, ``M`` is ``x``. With EF14's residual ``e`` (same shape
+        and dtype as ``x``) and a buffer ``acc`` (which may be ``e`` itself),
+        ``M = x + e`` is written into ``acc`` -- for a compressed matrix in the
+        same pass as ``M Q`` (:func:`~horovod_compress.kernels.powersgd.add_and_project`)
+        -- and the job's ``x`` is ``acc``. A tensor the min-compression-rate
+        rule leaves dense gets a job with ``mat is None`` (it is averaged with
+        one dense allreduce of ``job.x``).
+
+        ``job.finite``: ``True`` when ``M Q`` came out finite, which a
+        non-finite ``x`` cannot give (a NaN or infinity in a row of ``M``
+        makes that row's products NaN or infinite, ``Q`` being finite), so the
+        NaN/Inf check of the gradient need not read it again; ``None`` (test
+        the gradient itself) otherwise, or where BLAS computed ``M Q``.
         """
-        job = _Job(x, name, state)
         mat = compressed_matrix(x, self.rank, self.min_compression_rate)
         fresh = not self.warm_start or "Q" not in state
         if mat is None:
+            if e is not None:
+                x = np.add(x, e, out=acc)
+            job = _Job(x, name, state)
             if self.q_init == "torch" and fresh:
                 self._torch_rng.randint(1_000_000_000)  # the hook draws for every bucket
                 if self.warm_start:
@@ -193,15 +264,33 @@ class PowerSGD(Method):
             q = self.initial_q(name, state.t, cols, r, mat.dtype)
         else:
             q = q.copy()
-        orthogonalize(q, self.orthogonalization_epsilon)
+        orthogonalize_in_place(q, self.orthogonalization_epsilon)
+        kernels = r <= KERNEL_MAX_RANK
+        send = None
+        if e is not None:
+            if kernels and fits(mat, e, acc):
+                send = add_and_project(mat, e.reshape(mat.shape), acc.reshape(mat.shape), q)
+            else:
+                np.add(x, e, out=acc)
+            x, mat = acc, acc.reshape(mat.shape)
+        job = _Job(x, name, state)
+        if send is None:
+            if kernels and fits(mat, q):
+                send = project(mat, q)
+            else:
+                send = mat @ q
+                kernels = False
         job.mat = mat
-        job.send = mat @ q                  # P_i = M_i Q, summed over ranks next
+        job.send = send                     # P_i = M_i Q, summed over ranks next
+        job.finite = True if kernels and bool(np.isfinite(send).all()) else None
         return job
 
     def _after_p(self, job: "_Job", p: np.ndarray) -> np.ndarray:
         """``P = orth(sum_i M_i Q)``; returns this rank's ``M_i^T P`` (averaged over ranks next)."""
-        orthogonalize(p, self.orthogonalization_epsilon)
+        orthogonalize_in_place(p, self.orthogonalization_epsilon)
         job.p = p
+        if p.shape[1] <= KERNEL_MAX_RANK and fits(job.mat, p):
+            return project_t(job.mat, p)
         return job.mat.T @ p
 
     def _finish(self, job: "_Job", q: np.ndarray, out: np.ndarray | None = None,
@@ -209,11 +298,11 @@ class PowerSGD(Method):
         """``Q = avg_i M_i^T P`` (kept for the warm start); the estimate ``P Q^T`` in ``x``'s shape.
 
         ``out`` (optional, C-contiguous, ``x``'s size and dtype) receives the
-        estimate; ``acc`` (optional, the compressed ``M_i`` of error feedback)
-        becomes the new error ``M_i - P Q^T`` in the same pass
-        (:func:`~horovod_compress.kernels.powersgd.low_rank_product` up to rank
-        :data:`FUSED_MAX_RANK`, BLAS's GEMM and a subtraction above it; the rule
-        depends on the rank alone, so both paths give the same bits).
+        estimate, else a new array does; ``acc`` (optional, the compressed
+        ``M_i`` of error feedback) becomes the new error ``M_i - P Q^T`` in the
+        same pass (:func:`~horovod_compress.kernels.powersgd.low_rank_product` up
+        to rank :data:`KERNEL_MAX_RANK`, BLAS's GEMM and a subtraction above it;
+        the rule depends on the rank alone, so both paths give the same bits).
         """
         if self.warm_start:
             job.state["Q"] = q
@@ -221,7 +310,7 @@ class PowerSGD(Method):
         if out is None:
             out = np.empty(shape, dtype=job.mat.dtype)
         target = out.reshape(shape)
-        if (job.p.shape[1] <= FUSED_MAX_RANK and fits(job.p, q, target)
+        if (job.p.shape[1] <= KERNEL_MAX_RANK and fits(target, job.p, q)
                 and (acc is None or fits(target, acc))):
             low_rank_product(job.p, q, target, None if acc is None else acc.reshape(shape))
         else:
@@ -233,16 +322,56 @@ class PowerSGD(Method):
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
                 state: TensorState) -> tuple[np.ndarray, np.ndarray]:
         job = self._start(x, name, state)
+        self._pass_finite_gate(job.finite)
         if job.mat is None:
             avg = comm.allreduce(x, op="avg")
             return avg, x
+        avg = self._exchange(job, comm)
+        return avg, avg
+
+    def _exchange(self, job: "_Job", comm: Any, acc: np.ndarray | None = None) -> np.ndarray:
+        """The two allreduces of a compressed tensor and the estimate (``acc``: as in :meth:`_finish`)."""
         with comm.phase("powersgd.P"):
             p = comm.allreduce(job.send, op="sum")
         q_local = self._after_p(job, p)
         with comm.phase("powersgd.Q"):
             q = comm.allreduce(q_local, op="avg")
-        avg = self._finish(job, q)
-        return avg, avg
+        return self._finish(job, q, None, acc)
+
+    def _defers_finite_check(self, x: Any, name: str, comm: Any) -> bool:
+        """Whether the NaN/Inf check waits for ``M Q`` (:meth:`Method._defers_finite_check`).
+
+        Yes for a NumPy float32/float64 matrix this call compresses, under no
+        feedback or EF14, with ``q_init="shared"``: every path then goes through
+        :meth:`_reduce` or :meth:`_reduce_residual`, which pass the gate after
+        ``M Q`` and before the first message, with ``job.finite`` (so a finite
+        gradient is not read once more for the check). Not with
+        ``q_init="torch"``: a fresh ``Q`` advances the hook's shared random
+        stream, which a step dropped for NaN/Inf must not do.
+        """
+        from ..feedback import Feedback
+        from ..feedback.residual import ResidualFeedback
+        return (self.q_init == "shared" and type(x) is np.ndarray
+                and x.dtype in (np.float32, np.float64)
+                and type(self.feedback) in (Feedback, ResidualFeedback)
+                and compressed_matrix(x, self.rank, self.min_compression_rate) is not None)
+
+    def _reduce_residual(self, x: np.ndarray, e: np.ndarray, acc: np.ndarray, name: str,
+                         comm: Any, state: TensorState) -> tuple[np.ndarray, None] | None:
+        """EF14 (:class:`~horovod_compress.feedback.residual.ResidualFeedback`) in the step's passes.
+
+        ``acc = x + e`` is written during ``M Q``'s pass over the rows, and the
+        new error ``acc - P Q^T`` during the estimate's, so ``(avg, None)`` is
+        returned (``acc`` holds the new residual). ``None`` (nothing written)
+        for a tensor sent dense or arrays the kernels do not take; the
+        feedback then adds ``x + e`` itself and calls :meth:`_reduce`.
+        """
+        if not (type(x) is np.ndarray and fits(x, e, acc) and x.shape == e.shape == acc.shape
+                and compressed_matrix(x, self.rank, self.min_compression_rate) is not None):
+            return None
+        job = self._start(x, name, state, e=e, acc=acc)
+        self._pass_finite_gate(job.finite)
+        return self._exchange(job, comm, acc), None
 
     # ------------------------------------------------- a DDP bucket at once
     def can_reduce_many(self, arrays: Sequence[Any], comm: Any) -> bool:
@@ -348,16 +477,18 @@ class PowerSGD(Method):
                 jobs.append((k, "warm", x, None))
                 send_b.append((x, "avg", dense_phase))
                 continue
-            if residual:                # EF: compress acc = x + e (into e's buffer, reused)
-                e = st.get("fb_residual")
-                if isinstance(e, np.ndarray) and e.shape == x.shape and e.dtype == x.dtype \
-                        and e.flags.c_contiguous and e.flags.writeable:
-                    acc = np.add(x, e, out=e)
-                else:
-                    acc = x + e if e is not None and e.shape == x.shape else x.copy()
+            e = st.get("fb_residual") if residual else None
+            if isinstance(e, np.ndarray) and e.shape == x.shape and e.dtype == x.dtype \
+                    and e.flags.c_contiguous and e.flags.writeable:
+                # EF: compress acc = x + e, written into e's buffer during M Q's pass
+                job = self._start(x, nm, st, e=e, acc=e)
+                acc = job.x
             else:
-                acc = x
-            job = self._start(acc, nm, st)
+                if residual:
+                    acc = x + e if e is not None and e.shape == x.shape else x.copy()
+                else:
+                    acc = x
+                job = self._start(acc, nm, st)
             if job.mat is None:
                 jobs.append((k, "dense", job, acc))
                 send_b.append((acc, "avg", dense_phase))
