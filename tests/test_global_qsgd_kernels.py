@@ -10,7 +10,7 @@ import pytest
 
 import horovod_compress as hvdc
 from horovod_compress.compressors.global_qsgd import exp_shift, linear_levels
-from horovod_compress.kernels.exp_reduce import exp_reduce_codes, exp_reduce_packed
+from horovod_compress.kernels.exp_reduce import LANE_FINE, exp_reduce_codes, exp_reduce_packed
 from horovod_compress.kernels.quantize import (
     exp_dequantize,
     exp_quantize,
@@ -156,15 +156,30 @@ def test_reduce_matches_paper_algorithm2_line_by_line(bits):
     assert mismatches == 0
 
 
+def _lane_words(key: np.uint64, counter: np.uint64, n: int) -> np.ndarray:
+    """The documented 8-bit words lane_word(key, counter + i), i < n, from ``random_words``:
+    R 2^57 + (word 2^62 + counter + i) >> 7, R = byte (counter + i) % 8 of word
+    (counter + i) // 8, & 0x7F."""
+    pos = np.uint64(counter) + np.arange(n, dtype=np.uint64)
+    q0 = np.uint64(counter) >> np.uint64(3)
+    coarse = random_words(key, q0, int((pos[-1] >> np.uint64(3)) - q0) + 1)
+    r7 = (coarse[(pos >> np.uint64(3)) - q0] >> (np.uint64(8) * (pos & np.uint64(7)))) & np.uint64(0x7F)
+    return (r7 << np.uint64(57)) | (random_words(key, LANE_FINE + np.uint64(counter), n) >> np.uint64(7))
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_packed_reduce_uses_the_documented_words(bits):
-    """The operator's inner loop = the pure kernel with words counter+i (8-bit) / counter+2i(+1)."""
+    """The operator's inner loop = the pure kernel with words lane_word(key, counter + i)
+    (8-bit) / counter + 2i (+1) (4-bit), at a counter that is not a multiple of 8."""
     rng = np.random.default_rng(3)
     ncodes = 1000
     a = rng.integers(0, 1 << bits, ncodes).astype(np.uint8)
     b = rng.integers(0, 1 << bits, ncodes).astype(np.uint8)
     key, counter = 987654321, 4242
-    words = random_words(np.uint64(key), np.uint64(counter), ncodes)
+    if bits == 8:
+        words = _lane_words(np.uint64(key), np.uint64(counter), ncodes)
+    else:
+        words = random_words(np.uint64(key), np.uint64(counter), ncodes)
     expect = exp_reduce_codes(a, b, words, bits)
     if bits == 8:
         got, _ = exp_reduce_packed(a, b, 8, key, counter)
@@ -541,11 +556,13 @@ def test_exp8_dequantize_equals_the_float64_product():
             assert np.array_equal(got.view(np.uint8), ref.view(np.uint8)), (d, dtype)
 
 
-def test_exp_reduce8_range_equals_the_pair_kernel_with_one_word_per_code():
-    """exp_reduce8_range (the MPI operator's loop, byte lanes since issue 21) = exp_reduce_pair
-    with word counter + i for every byte, on random bytes (many lanes needing the whole word)
-    and on quantized gradients, whole, by unaligned ranges and with ``out`` aliasing a or b;
-    saturations counted as the pair kernel counts them."""
+def test_exp_reduce8_range_equals_the_pair_kernel_with_lane_words():
+    """exp_reduce8_range (the MPI operator's loop) = exp_reduce_pair with the word
+    lane_word(key, counter + i) for every byte, at counters on and off a stream word
+    (multiples of 8 and not), on random bytes (many lanes needing the whole word) and on
+    quantized gradients, whole, by unaligned ranges and with ``out`` aliasing a or b;
+    saturations counted as the pair kernel counts them. (Fails on the layout before
+    issue 15's fourth pass, word counter + i per code.)"""
     from numba import njit
 
     from horovod_compress.kernels.exp_reduce import exp_reduce8_into, exp_reduce8_range, exp_reduce_pair
@@ -568,7 +585,9 @@ def test_exp_reduce8_range_equals_the_pair_kernel_with_one_word_per_code():
             a = (rng.integers(1, top, n) | (rng.integers(0, 2, n) << 7)).astype(np.uint8)
             b = (rng.integers(1, top + 9, n) | (rng.integers(0, 2, n) << 7)).astype(np.uint8)
         key, counter = np.uint64(rng.integers(0, 2**63)), np.uint64(rng.integers(0, 2**40))
-        words = random_words(key, counter, n)
+        if trial % 2 == 0:
+            counter &= ~np.uint64(7)   # what reduce_stream hands out
+        words = _lane_words(key, counter, n)
         expect = exp_reduce_codes(a, b, words, 8)
         out = np.zeros(n, np.uint8)
         lo = int(rng.integers(0, n + 1))
@@ -579,5 +598,34 @@ def test_exp_reduce8_range_equals_the_pair_kernel_with_one_word_per_code():
         assert sat == saturations(a, b, words), trial
         for alias in ("a", "b"):
             aa, bb = a.copy(), b.copy()
-            exp_reduce8_into(aa, bb, aa if alias == "a" else bb, key, counter)
+            s_alias = exp_reduce8_into(aa, bb, aa if alias == "a" else bb, key, counter)
             assert np.array_equal(aa if alias == "a" else bb, expect), (trial, alias)
+            assert s_alias == sat, (trial, alias)
+
+
+def test_operator_calls_take_disjoint_lane_words_from_the_stream():
+    """The 8-bit MPI operator's callback inside reduce_stream: call k equals exp_reduce_packed
+    at the stream's counter c_k, c_0 = 0 and c_(k+1) = c_k + n_k rounded up to a multiple
+    of 8, so calls of one collective never share a word (their positions are disjoint) and
+    every call starts on a stream word; the stream reports the calls and the saturations."""
+    from horovod_compress.mpi_collectives import reduce_ops
+
+    rng = np.random.default_rng(15)
+    key = 4321
+    sizes = (13, 20, 8, 1, 300)
+    calls = [(rng.integers(0, 256, n).astype(np.uint8), rng.integers(0, 256, n).astype(np.uint8))
+             for n in sizes]
+    calls[1][0][:4] = calls[1][1][:4] = 1                    # 1/2 + 1/2: saturates
+    counter, sat, expect = 0, 0, []
+    for a, b in calls:
+        out, s = exp_reduce_packed(a, b, 8, key, counter)
+        expect.append(out)
+        sat += s
+        counter += -(-a.size // 8) * 8
+    assert counter == 16 + 24 + 8 + 8 + 304
+    with reduce_ops.reduce_stream(key) as st:
+        for (a, b), want in zip(calls, expect):
+            inout = b.copy()
+            reduce_ops._exp8(a, inout, None)
+            assert np.array_equal(inout, want)
+    assert (st.counter, st.calls, st.saturated) == (counter, len(sizes), sat) and sat >= 4

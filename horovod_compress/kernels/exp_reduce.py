@@ -42,17 +42,24 @@ sum up to 1 with small probability. The kernel then saturates to 1/2 (e = 1)
 instead of wrapping to zero, and returns how many elements saturated (the
 methods add headroom so this essentially never happens at 8 bits).
 
-Byte lanes (the pipelined ring). :func:`exp_reduce8_lanes_range` runs the same
-pair function on eight codes per 64-bit word (:func:`exp_reduce8_swar`, all
-lane arithmetic carry-free), with a word per byte that costs one SplitMix64
-per 8 bytes (:func:`lane_word`): the decision needs clz(r) only up to
-d = |e1 - e2|, which 7 random bits settle except when they are all zero and
-d >= 8; those lanes are redone with the full word. Results equal
-``exp_reduce_pair(a, b, lane_word(key, i))`` byte for byte. The MPI operator's
-loop (:func:`exp_reduce8_range`) runs the same byte lanes with its own words,
-one SplitMix64 per code (word counter + i, the CPU/GPU contract): only their
-top 7 bits go into the lanes, the rare undecided lanes take the whole word, so
-its results are those of the per-element pair loop, bit for bit.
+Byte lanes (8-bit codes). :func:`exp_reduce8_range` -- the loop of the MPI
+operator, of its parallel variant and, with counter 0, of the pipelined ring
+(:func:`exp_reduce8_lanes_range`) -- runs the same pair function on eight codes
+per 64-bit word (:func:`exp_reduce8_swar`, all lane arithmetic carry-free),
+with a word per byte that costs one SplitMix64 per 8 bytes: byte i of a call
+with counter c decides with ``lane_word(key, c + i)`` = R 2^57 + (word
+2^62 + c + i) >> 7, R = byte (c + i) mod 8 of word (c + i) div 8 of stream
+``key``, & 0x7F. These words are uniform on [0, 2^64) and independent across
+bytes (disjoint bits of independent SplitMix64 outputs), like the one word
+per element that Algorithm 2 asks for. The decision needs clz(r) only up to
+d = |e1 - e2|, which the 7 bits of R settle except when R = 0 and d >= 8
+(probability <= 2^-7); those lanes are redone with the whole word. Results
+equal ``exp_reduce_pair(a, b, lane_word(key, counter + i))`` byte for byte,
+on the CPU, in parallel and on the GPU (the CPU/GPU contract; the GPU kernel
+computes lane_word per byte). Counters below 2^62 keep the two index ranges
+of the stream apart. Until issue 15 the operator drew word counter + i per
+code (one SplitMix64 each, about the cost of an MPI_SUM on its own); 4-bit
+codes still do (words counter + 2i, counter + 2i + 1).
 """
 from __future__ import annotations
 
@@ -132,87 +139,6 @@ def exp_reduce_codes(a: np.ndarray, b: np.ndarray, r: np.ndarray, bits: int) -> 
 
 
 @njit(cache=True)
-def exp_reduce8_range(a: np.ndarray, b: np.ndarray, out: np.ndarray, key: np.uint64,
-                      counter: np.uint64, lo: int, hi: int) -> int:
-    """8-bit codes of elements ``lo <= i < hi``: out[i] = reduce(a[i], b[i]) with word counter+i.
-
-    The loop of :func:`exp_reduce8_into` (the MPI operator's) and of each chunk
-    of the parallel variant (:mod:`.parallel`); returns the saturations. Bit for
-    bit :func:`exp_reduce_pair` with word counter + i of stream ``key``
-    (:func:`.quantize.random_word`), computed as the ring's byte lanes are
-    (:func:`exp_reduce8_swar`): per block of 512 aligned 8-byte words, one loop
-    writes the top 7 bits of every byte's word (one SplitMix64 each, 8 lanes per
-    AVX-512 vector), one runs Algorithm 2 on eight codes per 64-bit word with
-    them, and the lanes whose decision needs more than 7 bits (top bits all zero
-    and exponents 2^8 or more apart, probability <= 2^-7) are redone with the
-    whole word; the bytes before the first and after the last whole word run the
-    scalar pair. ``out`` may alias ``a`` or ``b`` (each block keeps its input words).
-    Issue 21: 0.9-1.0 -> 0.55-0.6 ms per 2^20 codes on one core (MPI_SUM of 2^20 float32:
-    0.28 ms); one SplitMix64 per code alone takes 0.3 ms, the byte-lane Algorithm 2 0.2 ms.
-    """
-    prefer_512bit_vectors()
-    n8 = (a.size // 8) * 8
-    a64 = a[:n8].view(np.uint64)
-    b64 = b[:n8].view(np.uint64)
-    o64 = out[:n8].view(np.uint64)
-    w_lo = min((lo + 7) // 8, hi // 8)
-    w_hi = max(hi // 8, w_lo)
-    sat = 0
-    for i in range(lo, min(hi, 8 * w_lo)):          # head bytes
-        c, s = exp_reduce_pair(np.int64(a[i]), np.int64(b[i]),
-                               splitmix64(word_state(key, counter + np.uint64(i))), 7)
-        out[i] = np.uint8(c)
-        sat += s
-    for i in range(max(8 * w_hi, lo), hi):          # tail bytes
-        c, s = exp_reduce_pair(np.int64(a[i]), np.int64(b[i]),
-                               splitmix64(word_state(key, counter + np.uint64(i))), 7)
-        out[i] = np.uint8(c)
-        sat += s
-    blk = 512
-    tops = np.empty(8 * blk, np.uint8)
-    t64 = tops.view(np.uint64)
-    # the inputs of a block, kept for its redo lanes when ``out`` overwrites them
-    alias = out.ctypes.data == a.ctypes.data or out.ctypes.data == b.ctypes.data
-    a_in = np.empty(blk if alias else 0, np.uint64)
-    b_in = np.empty(blk if alias else 0, np.uint64)
-    for w0 in range(w_lo, w_hi, blk):
-        m = min(blk, w_hi - w0)
-        state = word_state(key, counter + np.uint64(8 * w0)) - GOLDEN
-        for j in range(np.uint64(0), np.uint64(8 * m)):    # byte 8 w0 + j: top 7 bits of its word
-            state += GOLDEN
-            tops[j] = np.uint8(splitmix64(state) >> np.uint64(57))
-        aw = a64[w0:w0 + m]
-        bw = b64[w0:w0 + m]
-        if alias:
-            a_in[:m] = aw
-            b_in[:m] = bw
-            aw = a_in[:m]
-            bw = b_in[:m]
-        ow = o64[w0:w0 + m]
-        redo = np.uint64(0)
-        bsat = np.uint64(0)
-        for j in range(np.uint64(0), np.uint64(m)):
-            o, rd, st = exp_reduce8_swar(aw[j], bw[j], t64[j])
-            ow[j] = o
-            redo |= rd
-            bsat += st
-        sat += np.int64(bsat)
-        if redo:                                     # rare: lanes whose decision needs > 7 bits
-            for j in range(m):
-                _, rd, _ = exp_reduce8_swar(aw[j], bw[j], t64[j])
-                while rd:
-                    shift = np.uint64(trailing_zeros(rd)) & np.uint64(56)
-                    rd &= rd - np.uint64(1)
-                    i = 8 * (w0 + j) + np.int64(shift >> np.uint64(3))
-                    c, s = exp_reduce_pair(np.int64((aw[j] >> shift) & np.uint64(255)),
-                                           np.int64((bw[j] >> shift) & np.uint64(255)),
-                                           splitmix64(word_state(key, counter + np.uint64(i))), 7)
-                    out[i] = np.uint8(c)
-                    sat += s
-    return sat
-
-
-@njit(cache=True)
 def exp_reduce4_range(a: np.ndarray, b: np.ndarray, out: np.ndarray, key: np.uint64,
                       counter: np.uint64, lo: int, hi: int) -> int:
     """Packed 4-bit codes of bytes ``lo <= i < hi`` (words counter+2i and counter+2i+1); see the 8-bit one."""
@@ -235,10 +161,11 @@ def exp_reduce4_range(a: np.ndarray, b: np.ndarray, out: np.ndarray, key: np.uin
 @njit(cache=True)
 def exp_reduce8_into(a: np.ndarray, b: np.ndarray, out: np.ndarray, key: np.uint64,
                      counter: np.uint64) -> int:
-    """8-bit codes, one per byte: out[i] = reduce(a[i], b[i]) with word counter+i of ``key``.
+    """8-bit codes, one per byte: out[i] = reduce(a[i], b[i]) with :func:`lane_word`
+    (key, counter + i).
 
     Returns the number of saturated elements. ``out`` may alias ``a`` or ``b``
-    (:func:`exp_reduce8_range` then keeps each block's input words for its redo lanes).
+    (:func:`exp_reduce8_range` then stages each block's codes until its redo lanes are done).
     """
     return exp_reduce8_range(a, b, out, key, counter, 0, a.size)
 
@@ -248,7 +175,8 @@ def exp_reduce4_into(a: np.ndarray, b: np.ndarray, out: np.ndarray, key: np.uint
                      counter: np.uint64) -> int:
     """4-bit codes packed two per byte: both nibbles reduced, words counter+2i and counter+2i+1.
 
-    Returns the number of saturated elements. ``out`` may alias ``b`` (slower: see exp_reduce8_into).
+    Returns the number of saturated elements. ``out`` may alias ``b`` (slower: the vector
+    loop needs a separate output).
     """
     return exp_reduce4_range(a, b, out, key, counter, 0, a.size)
 
@@ -257,8 +185,8 @@ def exp_reduce_packed(a: np.ndarray, b: np.ndarray, bits: int, key: int,
                       counter: int = 0) -> tuple[np.ndarray, int]:
     """Pure form of the operator's inner loop: (reduced bytes, saturations).
 
-    8-bit: one code per byte, words ``counter + i``; 4-bit: two codes per
-    byte, words ``counter + 2i`` (low) and ``counter + 2i + 1`` (high).
+    8-bit: one code per byte, words ``lane_word(key, counter + i)``; 4-bit: two
+    codes per byte, words ``counter + 2i`` (low) and ``counter + 2i + 1`` (high).
     """
     a = np.ascontiguousarray(a, dtype=np.uint8).reshape(-1)
     b = np.ascontiguousarray(b, dtype=np.uint8).reshape(-1)
@@ -360,7 +288,8 @@ def exp_reduce8_swar(a: np.uint64, b: np.uint64,
 
 @njit(cache=True, inline="always")
 def lane_word(key: np.uint64, i: np.uint64) -> np.uint64:
-    """The 64-bit random word byte ``i`` of :func:`exp_reduce8_lanes_range` decides with:
+    """The 64-bit random word at stream position ``i`` of the 8-bit reduce
+    (:func:`exp_reduce8_range`: byte j of a call with counter c takes position c + j):
     R_i 2^57 + (word LANE_FINE + i of stream ``key``) >> 7, where R_i = byte i % 8 of
     word i // 8 of stream ``key``, & 0x7F (uniform on [0, 2^64): independent bits)."""
     w = splitmix64(word_state(key, i >> np.uint64(3)))
@@ -368,62 +297,147 @@ def lane_word(key: np.uint64, i: np.uint64) -> np.uint64:
     return (r7 << np.uint64(57)) | (splitmix64(word_state(key, LANE_FINE + i)) >> np.uint64(7))
 
 
-@njit(cache=True)
-def exp_reduce8_lanes_range(a: np.ndarray, b: np.ndarray, out: np.ndarray, key: np.uint64,
-                            lo: int, hi: int) -> int:
-    """8-bit codes of bytes ``lo <= i < hi``: out[i] = Algorithm 2 of a[i] and b[i] with the
-    random word :func:`lane_word` (key, i); returns the number of saturations.
+@njit(cache=True, inline="always")
+def _lane_bits(key: np.uint64, q: np.uint64, shift: np.uint64) -> np.uint64:
+    """The random bytes of one aligned 8-byte word of a buffer whose byte 0 sits at stream
+    position 8q + shift / 8: byte l is byte (shift / 8 + l) of the stream's 8-byte sequence,
+    i.e. words q and q + 1 of stream ``key`` shifted right by ``shift`` bits (0 <= shift < 64,
+    a multiple of 8). Its byte l & 0x7F is R of :func:`lane_word` for that byte."""
+    w = splitmix64(word_state(key, q))
+    if shift == 0:
+        return w
+    return (w >> shift) | (splitmix64(word_state(key, q + np.uint64(1))) << (np.uint64(64) - shift))
 
-    The same function of (a[i], b[i], word) as :func:`exp_reduce_pair`, hence the
-    same distribution as :func:`exp_reduce8_range`, but its word costs one
-    SplitMix64 per 8 bytes: byte lanes need only 7 random bits (see
-    :func:`exp_reduce8_swar`), and the rare lanes that need more (R = 0 and
-    exponents 2^8 or more apart) are redone here with the full word, in blocks
-    of 64 words so the main loop stays branch-free. Aligned 8-byte words run as
-    SWAR (8 codes per 64-bit lane, 64 per AVX-512 vector); the bytes before the
-    first and after the last whole word run the scalar pair. A byte's word
-    depends only on (key, i), so the result does not depend on how the ring
-    cuts the buffer.
+
+@njit(cache=True, inline="always")
+def _swar_block(a64: np.ndarray, b64: np.ndarray, o: np.ndarray, off: np.uint64, w0: int, w1: int,
+                state: np.uint64, shift: np.uint64,
+                aligned: bool) -> tuple[np.uint64, np.uint64]:
+    """o[w - off] = :func:`exp_reduce8_swar` (a64[w], b64[w], random bytes) for w0 <= w < w1;
+    returns (OR of the redo masks, saturations). ``state`` is the Weyl state before stream
+    word q0 (the block's first); the random bytes are :func:`_lane_bits` (key, q0 + w - w0,
+    shift): one SplitMix64 per word when ``aligned`` (shift = 0), two otherwise. Unsigned
+    indices (a signed one adds wraparound checks that stop the vectorisation) and one loop
+    per call site (with both loops in one function, branching on ``shift``, the aligned
+    one ran 25% slower)."""
+    redo = np.uint64(0)
+    bsat = np.uint64(0)
+    if aligned:
+        for w in range(np.uint64(w0), np.uint64(w1)):
+            state += GOLDEN
+            r, rd, st = exp_reduce8_swar(a64[w], b64[w], splitmix64(state))
+            o[w - off] = r
+            redo |= rd
+            bsat += st
+    else:
+        back = np.uint64(64) - shift
+        for w in range(np.uint64(w0), np.uint64(w1)):
+            state += GOLDEN
+            t = (splitmix64(state) >> shift) | (splitmix64(state + GOLDEN) << back)
+            r, rd, st = exp_reduce8_swar(a64[w], b64[w], t)
+            o[w - off] = r
+            redo |= rd
+            bsat += st
+    return redo, bsat
+
+
+@njit(cache=True, inline="always")
+def _swar_words(a: np.ndarray, b: np.ndarray, out: np.ndarray, key: np.uint64, counter: np.uint64,
+                w_lo: int, w_hi: int, aligned: bool, alias: bool) -> int:
+    """The aligned 8-byte words w_lo <= w < w_hi of :func:`exp_reduce8_range`; the saturations.
+
+    Per block of 64 words: :func:`_swar_block`, then the lanes it flags (7 random bits do
+    not decide) redone with the whole :func:`lane_word`. With ``alias`` (``out`` is ``a``
+    or ``b``) a block's codes go to a 64-word buffer first and are copied out after its
+    redo lanes, which still read the inputs. ``aligned`` and ``alias`` are constants at
+    each call site, so each of the four variants compiles to its own loop.
     """
-    prefer_512bit_vectors()
     n8 = (a.size // 8) * 8
     a64 = a[:n8].view(np.uint64)
     b64 = b[:n8].view(np.uint64)
     o64 = out[:n8].view(np.uint64)
+    base = counter >> np.uint64(3)
+    shift = (counter & np.uint64(7)) << np.uint64(3)
+    blk = 64
+    o = np.empty(blk, np.uint64) if alias else o64
+    sat = 0
+    for w0 in range(w_lo, w_hi, blk):
+        w1 = min(w0 + blk, w_hi)
+        off = np.uint64(w0) if alias else np.uint64(0)
+        redo, bsat = _swar_block(a64, b64, o, off, w0, w1,
+                                 word_state(key, base + np.uint64(w0)) - GOLDEN, shift, aligned)
+        sat += np.int64(bsat)
+        if redo:                                     # rare: lanes whose decision needs > 7 bits
+            for w in range(w0, w1):
+                _, rd, _ = exp_reduce8_swar(a64[w], b64[w], _lane_bits(key, base + np.uint64(w), shift))
+                while rd:
+                    sh = np.uint64(trailing_zeros(rd)) & np.uint64(56)
+                    rd &= rd - np.uint64(1)
+                    i = 8 * w + np.int64(sh >> np.uint64(3))
+                    c, s = exp_reduce_pair(np.int64(a[i]), np.int64(b[i]),
+                                           lane_word(key, counter + np.uint64(i)), 7)
+                    j = np.uint64(w) - off
+                    o[j] = (o[j] & ~(np.uint64(255) << sh)) | (np.uint64(c) << sh)
+                    sat += s
+        if alias:
+            o64[w0:w1] = o[:w1 - w0]
+    return sat
+
+
+@njit(cache=True)
+def exp_reduce8_range(a: np.ndarray, b: np.ndarray, out: np.ndarray, key: np.uint64,
+                      counter: np.uint64, lo: int, hi: int) -> int:
+    """8-bit codes of bytes ``lo <= i < hi``: out[i] = Algorithm 2 of a[i] and b[i] with the
+    random word :func:`lane_word` (key, counter + i); returns the number of saturations.
+
+    The loop of the MPI operator (:func:`exp_reduce8_into`), of the pipelined ring
+    (:func:`exp_reduce8_lanes_range`, counter 0) and of each chunk of the parallel
+    variant (:mod:`.parallel`). The same function of (a[i], b[i], word) as
+    :func:`exp_reduce_pair`, with a word per byte that costs one SplitMix64 per 8 bytes:
+    byte lanes need only 7 random bits (see :func:`exp_reduce8_swar`), and the rare lanes
+    that need more (R = 0 and exponents 2^8 or more apart, probability <= 2^-7) are redone
+    with the full word, in blocks of 64 words so the main loop stays branch-free. Aligned
+    8-byte words run as SWAR (8 codes per 64-bit lane, 64 per AVX-512 vector); the bytes
+    before the first and after the last whole word run the scalar pair. A counter that is
+    a multiple of 8 (what :func:`~horovod_compress.mpi_collectives.reduce_ops.reduce_stream`
+    hands out) puts every aligned word on one stream word; any other counter costs two
+    SplitMix64 per word (about 15% slower). A byte's word depends only on (key, counter + i),
+    so the result does not depend on how a range is cut. ``out`` may be ``a`` or ``b``.
+    Issue 15: 0.59 -> 0.25 ms per 2^20 codes on one core (MPI_SUM of 2^20 float32: 0.28 ms)
+    against the previous one SplitMix64 per code (word counter + i).
+    """
+    prefer_512bit_vectors()
     w_lo = min((lo + 7) // 8, hi // 8)
     w_hi = max(hi // 8, w_lo)
     sat = 0
     for i in range(lo, min(hi, 8 * w_lo)):          # head bytes
-        c, s = exp_reduce_pair(np.int64(a[i]), np.int64(b[i]), lane_word(key, np.uint64(i)), 7)
+        c, s = exp_reduce_pair(np.int64(a[i]), np.int64(b[i]), lane_word(key, counter + np.uint64(i)), 7)
         out[i] = np.uint8(c)
         sat += s
     for i in range(max(8 * w_hi, lo), hi):          # tail bytes
-        c, s = exp_reduce_pair(np.int64(a[i]), np.int64(b[i]), lane_word(key, np.uint64(i)), 7)
+        c, s = exp_reduce_pair(np.int64(a[i]), np.int64(b[i]), lane_word(key, counter + np.uint64(i)), 7)
         out[i] = np.uint8(c)
         sat += s
-    blk = 64
-    for w0 in range(w_lo, w_hi, blk):
-        w1 = min(w0 + blk, w_hi)
-        state = word_state(key, np.uint64(w0)) - GOLDEN
-        redo = np.uint64(0)
-        bsat = np.uint64(0)
-        for w in range(np.uint64(w0), np.uint64(w1)):
-            state += GOLDEN
-            o, rd, st = exp_reduce8_swar(a64[w], b64[w], splitmix64(state))
-            o64[w] = o
-            redo |= rd
-            bsat += st
-        sat += np.int64(bsat)
-        if redo:                                     # rare: lanes whose decision needs > 7 bits
-            for w in range(w0, w1):
-                _, rd, _ = exp_reduce8_swar(a64[w], b64[w],
-                                            splitmix64(word_state(key, np.uint64(w))))
-                while rd:
-                    lane = np.int64(trailing_zeros(rd)) >> 3
-                    rd &= rd - np.uint64(1)
-                    i = 8 * w + lane
-                    c, s = exp_reduce_pair(np.int64(a[i]), np.int64(b[i]),
-                                           lane_word(key, np.uint64(i)), 7)
-                    out[i] = np.uint8(c)
-                    sat += s
+    alias = out.ctypes.data == a.ctypes.data or out.ctypes.data == b.ctypes.data
+    if counter & np.uint64(7) == 0:
+        if alias:
+            sat += _swar_words(a, b, out, key, counter, w_lo, w_hi, True, True)
+        else:
+            sat += _swar_words(a, b, out, key, counter, w_lo, w_hi, True, False)
+    elif alias:
+        sat += _swar_words(a, b, out, key, counter, w_lo, w_hi, False, True)
+    else:
+        sat += _swar_words(a, b, out, key, counter, w_lo, w_hi, False, False)
     return sat
+
+
+@njit(cache=True)
+def exp_reduce8_lanes_range(a: np.ndarray, b: np.ndarray, out: np.ndarray, key: np.uint64,
+                            lo: int, hi: int) -> int:
+    """The pipelined ring's kernel: :func:`exp_reduce8_range` with counter 0, i.e. byte i of
+    the payload decides with :func:`lane_word` (key, i); returns the number of saturations.
+
+    Every byte's word depends only on its position, so the result does not depend on how
+    the ring cuts the buffer into blocks and segments.
+    """
+    return exp_reduce8_range(a, b, out, key, np.uint64(0), lo, hi)

@@ -16,8 +16,11 @@ its chunk):
   kernels' element function (:func:`.quantize.linear_level`,
   :func:`.quantize.exp_code`) with its own start state of the generator.
 * :func:`exp_reduce8_into` / :func:`exp_reduce4_into` -- Global-QSGD's
-  Algorithm 2 over chunks in parallel (word ``counter + i`` per element, as
-  in :mod:`.exp_reduce`); saturations summed by a reduction.
+  Algorithm 2 over chunks in parallel (byte i decides with
+  :func:`.exp_reduce.lane_word` (key, counter + i) at 8 bits, words
+  ``counter + 2i`` and ``counter + 2i + 1`` at 4 bits, as in :mod:`.exp_reduce`:
+  a word depends only on its position, so the chunking cannot change a bit);
+  saturations summed by a reduction.
 
 :mod:`horovod_compress.kernels.dispatch` uses them for NumPy inputs of at
 least ``PARALLEL_MIN_SIZE`` elements when Numba runs more than one thread.

@@ -61,9 +61,16 @@ _OPS: dict[str, Any] = {}   # MPI.Op objects (mpi4py imported on first use)
 def reduce_stream(key: int) -> Iterator[_Stream]:
     """Seed the stochastic operators' per-rank stream for the enclosed collective.
 
-    Inside, operator calls draw consecutive words ``0, 1, 2, ...`` of stream
-    ``key`` (see :mod:`horovod_compress.kernels.quantize`); the yielded object
-    reports ``saturated`` (elements clamped at 1/2) and ``calls`` afterwards.
+    Inside, each operator call takes the next ``counter`` of stream ``key``
+    (see :mod:`horovod_compress.kernels.quantize`), starting at 0, so no two
+    calls of one collective share a random word: an 8-bit call of n bytes
+    decides byte i with :func:`~horovod_compress.kernels.exp_reduce.lane_word`
+    (key, counter + i) and advances ``counter`` by n rounded up to a multiple
+    of 8 (every call then starts on a stream word, the kernel's one-SplitMix64-
+    per-8-bytes path); a 4-bit call of n bytes uses words counter + 2i and
+    counter + 2i + 1 and advances it by 2n. One collective uses one operator
+    (the two layouts index the stream differently). The yielded object reports
+    ``saturated`` (elements clamped at 1/2), ``calls`` and ``counter`` afterwards.
     """
     with _STREAM_LOCK:
         _STREAM.key = np.uint64(key)
@@ -88,7 +95,7 @@ def _exp_apply(bits: int, inbuf: Any, inoutbuf: Any) -> None:
     out = _scratch(b.size)
     if bits == 8:
         sat = exp_reduce8_into(a, b, out, _STREAM.key, counter)
-        _STREAM.counter += a.size
+        _STREAM.counter += (a.size + 7) & ~7     # the next call starts on a stream word
     else:
         sat = exp_reduce4_into(a, b, out, _STREAM.key, counter)
         _STREAM.counter += 2 * a.size

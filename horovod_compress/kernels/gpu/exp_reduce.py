@@ -2,10 +2,12 @@
 
 Algorithm 2 of the Global-QSGD paper (unbiased rounding of the sum of two
 signed powers of two back to a power of two), branch-free integer arithmetic
-on codes ``e | negative << sign_shift``, one thread per byte. Element ``i``
-uses word ``counter + i`` (8-bit) or words ``counter + 2i`` / ``counter + 2i + 1``
-(4-bit, low / high nibble) of stream ``key`` -- the CPU kernel's words -- so
-both devices produce the same bytes. Saturations (a rounded sum of 1, clamped
+on codes ``e | negative << sign_shift``, one thread per byte. Byte ``i``
+decides with the CPU kernel's words -- :func:`lane_word` (key, counter + i) for
+8-bit codes (the 7 top bits from byte (counter + i) mod 8 of word
+(counter + i) div 8 of stream ``key``, the rest from word 2^62 + counter + i),
+words ``counter + 2i`` / ``counter + 2i + 1`` for packed 4-bit codes (low / high
+nibble) -- so both devices produce the same bytes. Saturations (a rounded sum of 1, clamped
 to 1/2) are counted per block and added with one integer atomic per block,
 so the count is exact and deterministic.
 """
@@ -26,6 +28,7 @@ from ._common import (
     to_host,
     zeros,
 )
+from ..exp_reduce import LANE_FINE
 from .rng import random_word
 
 
@@ -55,6 +58,16 @@ def exp_reduce_pair(c1, c2, r, sign_shift):
 
 
 @cuda.jit(device=True)
+def lane_word(key, i):
+    """The 8-bit operator's word at stream position ``i`` (uint64) of stream ``key``, as
+    :func:`horovod_compress.kernels.exp_reduce.lane_word`: R 2^57 + (word 2^62 + i) >> 7,
+    R = byte i mod 8 of word i div 8, & 0x7F."""
+    w = random_word(key, i >> np.uint64(3))
+    r7 = (w >> (np.uint64(8) * (i & np.uint64(7)))) & np.uint64(0x7F)
+    return (r7 << np.uint64(57)) | (random_word(key, LANE_FINE + i) >> np.uint64(7))
+
+
+@cuda.jit(device=True)
 def _add_block_sum(sh, v, sat):
     """sat[0] += the block's sum of ``v``: one atomic add per block, none when the sum is 0.
 
@@ -69,7 +82,7 @@ def _add_block_sum(sh, v, sat):
         cuda.atomic.add(sat, 0, total)
 
 
-_STREAM8, _STREAM4, _GIVEN = 0, 1, 2   # words: stream key, element i (8-bit) or 2i, 2i + 1; r[i]
+_STREAM8, _STREAM4, _GIVEN = 0, 1, 2   # words: lane_word(key, counter + i); words 2i, 2i + 1; r[i]
 
 
 @cuda.jit
@@ -94,7 +107,7 @@ def _reduce_kernel(mode, a, b, r, sign_shift, key, counter, out, sat):
             out[i] = np.uint8(lo | (hi << 4))
             s += s0 + s1
         else:
-            w = np.uint64(r[i]) if mode == _GIVEN else random_word(key, counter + np.uint64(i))
+            w = np.uint64(r[i]) if mode == _GIVEN else lane_word(key, counter + np.uint64(i))
             c, z = exp_reduce_pair(x, y, w, sign_shift)
             out[i] = np.uint8(c)
             s += z
@@ -111,7 +124,8 @@ def _launch(mode: int, a: Any, b: Any, r: Any, sign_shift: int, key: int, counte
 
 
 def exp_reduce8_into(a: Any, b: Any, out: Any, key: int, counter: int) -> int:
-    """8-bit codes: out[i] = reduce(a[i], b[i]) with word counter+i; returns saturations. ``out`` may alias ``b``."""
+    """8-bit codes: out[i] = reduce(a[i], b[i]) with :func:`lane_word` (key, counter + i);
+    returns saturations. ``out`` may alias ``b``."""
     return _launch(_STREAM8, a, b, a, 7, key, counter, out)
 
 
@@ -154,7 +168,7 @@ def exp_reduce_packed(a: Any, b: Any, bits: int, key: int, counter: int = 0) -> 
 
 
 __all__ = ["exp_reduce4_into", "exp_reduce8_into", "exp_reduce_codes", "exp_reduce_codes_into",
-           "exp_reduce_packed", "exp_reduce_pair"]
+           "exp_reduce_packed", "exp_reduce_pair", "lane_word"]
 
 
 guard_simulator_globals(globals())
