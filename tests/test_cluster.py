@@ -164,6 +164,17 @@ def case_topk_across_hosts(comm):
         idx = np.argpartition(np.abs(g), -k)[-k:]
         expect[idx] += g[idx]
     np.testing.assert_allclose(sparse, expect / comm.size, rtol=1e-5, atol=1e-6)
+    # fp16's pipelined ring between hosts: eager 60 KiB segments, the same bits as the 16-bit sum
+    from horovod_compress.kernels.halfprec import add16_range, decode16, encode16
+    from horovod_compress.mpi_collectives.reduce_ops import NETWORK_RING_PIECES, ring_piece_sizes
+    assert ring_piece_sizes(comm, (1 << 20, 1 << 18)) == NETWORK_RING_PIECES   # two nodes to MPI
+    halves = [np.random.default_rng(200 + r).standard_normal(300_000).astype(np.float32)
+              for r in range(comm.size)]
+    words = [encode16(g, "fp16", scale=1.0 / comm.size) for g in halves]
+    total = np.empty_like(words[0])
+    add16_range("fp16")(words[0], words[1], total, 0, total.size)
+    half = hvdc.Compression.fp16().allreduce(halves[comm.rank], name="h", comm=comm)
+    assert np.array_equal(half, decode16(total, "fp16"))
     big = np.ones(1_000_000, np.float32)           # 4 MB: ring allreduce moves 4 MB each way at P = 2
     comm.barrier()
     t0 = time.perf_counter()

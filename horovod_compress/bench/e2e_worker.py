@@ -79,9 +79,11 @@ def _timed(comm: Any, fn: Any, repeats: int, before: Any = None) -> tuple[float,
 
 def _ring_probe(comm: Any, nbytes: int) -> Any:
     """One call of the pipelined point-to-point ring (``reduce_ops.ring_reduce_once_items``)
-    over ``nbytes`` of 16-bit items, with the fp16 method's segmenting and a byte-wise add as the
-    reduction: the transport fp16/bf16 and Global-QSGD run their allreduce on, timed as such."""
-    from ..mpi_collectives.reduce_ops import ring_reduce_once_items
+    over ``nbytes`` of 16-bit items, with the methods' segmenting between hosts
+    (``reduce_ops.NETWORK_RING_PIECES``) and a byte-wise add as the reduction: the transport
+    fp16/bf16 and Global-QSGD run their allreduce on, timed as such."""
+    from ..mpi_collectives.reduce_ops import NETWORK_RING_PIECES, ring_reduce_once_items
+    segment, slice_ = NETWORK_RING_PIECES
     own = np.ones(nbytes, np.uint8)
     result, partial, mine = (np.empty(nbytes, np.uint8) for _ in range(3))
 
@@ -94,7 +96,7 @@ def _ring_probe(comm: Any, nbytes: int) -> Any:
 
     def run() -> None:
         ring_reduce_once_items(comm, nbytes // 2, 2, produce, own, reduce, None,
-                               segment_bytes=max(1 << 18, nbytes // (comm.size * 4)), slice_bytes=1 << 18,
+                               segment_bytes=segment, slice_bytes=slice_,
                                result=result, scratch=(partial, mine))
     return run
 

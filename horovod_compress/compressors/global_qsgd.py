@@ -522,15 +522,8 @@ class GlobalQSGD(Method):
         calls with no-op kernels, 0.34 ms with 1 MiB pieces. Then
         :attr:`shm_ring_sizes` (1 MiB segments, 256 KiB slices) are used.
         """
-        cache = self.__dict__.setdefault("_ring_sizes_by_comm", {})
-        key = id(comm.comm)
-        if key not in cache:
-            from mpi4py import MPI
-            local = comm.comm.Split_type(MPI.COMM_TYPE_SHARED)
-            shared = local.Get_size() == comm.size
-            local.Free()
-            cache[key] = self.shm_ring_sizes if shared else (61440, 1 << 16)
-        return cache[key]
+        from ..mpi_collectives.reduce_ops import ring_piece_sizes
+        return ring_piece_sizes(comm, self.shm_ring_sizes)
 
     def _ring_buffers(self, name: str, nbytes: int) -> list[np.ndarray]:
         """Four uint8 buffers of ``nbytes`` for :meth:`_exp_ring` (own codes, result, received

@@ -42,10 +42,12 @@ class _HalfPrecision(Method):
     #: Payloads of at least this many bytes take the pipelined ring (:meth:`_reduce_ring`) on an
     #: mpi4py Communicator with P > 1; smaller ones MPI's allreduce with the custom operator.
     ring_min_bytes: int = 1 << 16
-    #: The ring's message granularity: about :attr:`ring_segments_per_block` segments per block,
-    #: at least :attr:`ring_segment_bytes`. On shared memory (2000 x 2000 float32) 60 KiB
-    #: segments cost ~30% more than 256 KiB ones in Python bookkeeping and progress calls, and
-    #: at P = 2 (4 MB blocks) 1 MiB ones were another ~7% faster than 256 KiB ones.
+    #: The ring's message granularity when every rank shares one node: about
+    #: :attr:`ring_segments_per_block` segments per block, at least :attr:`ring_segment_bytes`.
+    #: On shared memory (2000 x 2000 float32) 60 KiB segments cost ~30% more than 256 KiB ones
+    #: in Python bookkeeping and progress calls, and at P = 2 (4 MB blocks) 1 MiB ones were
+    #: another ~7% faster than 256 KiB ones. Between hosts the ring sends eager 60 KiB segments
+    #: (``reduce_ops.NETWORK_RING_PIECES``), as Global-QSGD's does.
     ring_segment_bytes: int = 1 << 18
     ring_segments_per_block: int = 4
     ring_slice_bytes: int = 1 << 18
@@ -95,7 +97,7 @@ class _HalfPrecision(Method):
         Bytes: 2N(P-1)/P each way for N = 2n, counted as one allreduce.
         """
         from ..kernels.halfprec import add16_range, decode16_range, encode16_range, encode16_range_finite
-        from ..mpi_collectives.reduce_ops import ring_reduce_once_items
+        from ..mpi_collectives.reduce_ops import ring_piece_sizes, ring_reduce_once_items
         flat = np.ascontiguousarray(x).reshape(-1)
         n = flat.size
         own, total, partial, mine = self._ring_buffers(name, n)
@@ -121,10 +123,11 @@ class _HalfPrecision(Method):
         def consume(lo: int, hi: int) -> None:
             dec(total, one, avg, lo >> 1, hi >> 1)
 
+        segment, slice_ = ring_piece_sizes(
+            comm, (max(self.ring_segment_bytes, 2 * n // (comm.size * self.ring_segments_per_block)),
+                   self.ring_slice_bytes))
         ring_reduce_once_items(comm, n, 2, produce, own.view(np.uint8), reduce, consume,
-                               segment_bytes=max(self.ring_segment_bytes,
-                                                 2 * n // (comm.size * self.ring_segments_per_block)),
-                               slice_bytes=self.ring_slice_bytes, result=total.view(np.uint8),
+                               segment_bytes=segment, slice_bytes=slice_, result=total.view(np.uint8),
                                scratch=(partial.view(np.uint8), mine.view(np.uint8)))
         avg = avg.reshape(x.shape)
         if not self.feedback.uses_local:
