@@ -16,6 +16,24 @@ OK = 0
 TRUNCATED = 1
 
 
+@njit(cache=True, inline="always")
+def put_bits(out: np.ndarray, o: int, acc: np.uint64, nacc: int, v: np.uint64, w: int) -> tuple:
+    """Append the ``w`` low bits of ``v`` (MSB first) to ``out`` from byte ``o`` through the
+    accumulator ``acc`` holding ``nacc`` (< 8) pending bits (see :func:`pack_fields`); returns
+    the new ``(o, acc, nacc)``. At most 56 bits are added at a time."""
+    while w > 0:
+        take = w if w <= 56 - nacc else 56 - nacc
+        w -= take
+        chunk = (v >> np.uint64(w)) & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))
+        acc = (acc << np.uint64(take)) | chunk
+        nacc += take
+        while nacc >= 8:
+            nacc -= 8
+            out[o] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(255))
+            o += 1
+    return o, acc, nacc
+
+
 @njit(cache=True)
 def pack_fields(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
     """Concatenate ``widths[t]`` low bits of ``values[t]`` (uint64, widths 0..64).
@@ -34,18 +52,7 @@ def pack_fields(values: np.ndarray, widths: np.ndarray) -> np.ndarray:
     nacc = 0
     o = 0
     for t in range(values.size):
-        w = widths[t]
-        v = values[t]
-        while w > 0:
-            take = w if w <= 56 - nacc else 56 - nacc
-            w -= take
-            chunk = (v >> np.uint64(w)) & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))
-            acc = (acc << np.uint64(take)) | chunk
-            nacc += take
-            while nacc >= 8:
-                nacc -= 8
-                out[o] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(255))
-                o += 1
+        o, acc, nacc = put_bits(out, o, acc, nacc, values[t], widths[t])
     if nacc > 0:
         out[o] = np.uint8((acc << np.uint64(8 - nacc)) & np.uint64(255))
     return out

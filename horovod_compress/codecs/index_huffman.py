@@ -37,6 +37,7 @@ from llvmlite import ir
 from numba import njit, types
 
 from ..kernels.llvm_casts import llvm_cast
+from .bitio import put_bits
 from .registry import IndexCodec, IndexEncoding
 from .wire import ByteReader, ByteWriter, ContainerError
 
@@ -107,24 +108,6 @@ def _class_stats(indices: np.ndarray) -> tuple:
     return counts, first
 
 
-@njit(cache=True, inline="always")
-def _put(out: np.ndarray, o: int, acc: np.uint64, nacc: int, v: np.uint64, w: int) -> tuple:
-    """Append the ``w`` low bits of ``v`` (MSB first) through the accumulator of
-    :func:`~horovod_compress.codecs.bitio.pack_fields` (fewer than 8 bits pending, at most 56 added
-    at a time)."""
-    while w > 0:
-        take = w if w <= 56 - nacc else 56 - nacc
-        w -= take
-        chunk = (v >> np.uint64(w)) & ((np.uint64(1) << np.uint64(take)) - np.uint64(1))
-        acc = (acc << np.uint64(take)) | chunk
-        nacc += take
-        while nacc >= 8:
-            nacc -= 8
-            out[o] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(255))
-            o += 1
-    return o, acc, nacc
-
-
 @njit(cache=True)
 def _encode_stream(indices: np.ndarray, code_of: np.ndarray, len_of: np.ndarray,
                    nbytes: int) -> np.ndarray:
@@ -155,8 +138,8 @@ def _encode_stream(indices: np.ndarray, code_of: np.ndarray, len_of: np.ndarray,
                 out[o] = np.uint8((acc >> np.uint64(nacc)) & np.uint64(255))
                 o += 1
         else:
-            o, acc, nacc = _put(out, o, acc, nacc, code_of[c], length)
-            o, acc, nacc = _put(out, o, acc, nacc, np.uint64(g), m)
+            o, acc, nacc = put_bits(out, o, acc, nacc, code_of[c], length)
+            o, acc, nacc = put_bits(out, o, acc, nacc, np.uint64(g), m)
     if nacc > 0:
         out[o] = np.uint8((acc << np.uint64(8 - nacc)) & np.uint64(255))
     return out

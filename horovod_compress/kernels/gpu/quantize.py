@@ -84,14 +84,20 @@ def linear_dequantize(q: Any, scale: float, dtype: Any = np.float32) -> Any:
 # -------------------------------------------------------------- exponential
 @cuda.jit(device=True)
 def _exp_quantize_at(i, x, scale, emax, sign_shift, key, out):
-    """Stochastic exponential (power-of-two) dithering of ``x[i]`` to a sign + exponent code."""
-    v = np.float64(x[i])
+    """Stochastic exponential (power-of-two) dithering of ``x[i]`` to a sign + exponent code
+    (element ``i`` draws uniform ``i`` of stream ``key``)."""
+    out[i] = _exp_code(np.float64(x[i]), scale, emax, sign_shift, random_uniform(key, np.uint64(i)))
+
+
+@cuda.jit(device=True)
+def _exp_code(v, scale, emax, sign_shift, u):
+    """The code of ``v``: exponent e of 2^-e chosen with the probabilities of the paper's
+    Definition 1 by the uniform ``u`` in [0, 1); the sign above bit ``sign_shift``; 0 for 0, NaN, Inf."""
     a = abs(v) * scale
     code = np.int64(0)
     if a > 0.0 and a < math.inf:
         m, ex = math.frexp(a)
         e_low = np.int64(1) - np.int64(ex)
-        u = random_uniform(key, np.uint64(i))
         if e_low > emax:
             e = emax if u < ldexp(a, emax) else np.int64(0)
         else:
@@ -101,7 +107,7 @@ def _exp_quantize_at(i, x, scale, emax, sign_shift, key, out):
         code = e
         if v < 0.0 and e > 0:
             code = e | (np.int64(1) << sign_shift)
-    out[i] = code
+    return code
 
 
 _EXP_QUANTIZE = grid_stride(_exp_quantize_at)
@@ -119,23 +125,8 @@ def exp8_word(key, i):
 @cuda.jit(device=True)
 def _exp8_quantize_at(i, x, scale, key, out, _4, _5):
     """:func:`_exp_quantize_at` at 8 bits (emax 127, sign bit 7) with the word :func:`exp8_word`."""
-    v = np.float64(x[i])
-    a = abs(v) * scale
-    code = np.int64(0)
-    if a > 0.0 and a < math.inf:
-        m, ex = math.frexp(a)
-        e_low = np.int64(1) - np.int64(ex)
-        u = np.float64(exp8_word(key, np.uint64(i)) >> np.uint64(11)) * TWO_POW_M53
-        if e_low > 127:
-            e = np.int64(127) if u < ldexp(a, 127) else np.int64(0)
-        else:
-            e = e_low - 1 if u < 2.0 * m - 1.0 else e_low
-            if e < 1:
-                e = np.int64(1)
-        code = e
-        if v < 0.0 and e > 0:
-            code = e | np.int64(128)
-    out[i] = code
+    u = np.float64(exp8_word(key, np.uint64(i)) >> np.uint64(11)) * TWO_POW_M53
+    out[i] = _exp_code(np.float64(x[i]), scale, np.int64(127), np.int64(7), u)
 
 
 _EXP8_QUANTIZE = grid_stride(_exp8_quantize_at)
