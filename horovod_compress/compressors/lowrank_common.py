@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from scipy.linalg import get_lapack_funcs
 
 from ..params import check_float, check_int
 from ..mpi_collectives.accounting import allreduce_volume
@@ -65,12 +66,17 @@ def orthogonalize(mat: np.ndarray, epsilon: float = 0.0) -> np.ndarray:
 
     Mirrors ``powerSGD_hook._orthogonalize``: modified Gram-Schmidt for one or
     two columns (each column divided by ``norm + epsilon``), Householder QR
-    (LAPACK, as ``torch.linalg.qr``) for more. One deviation: with
-    ``epsilon == 0`` an all-zero column stays zero instead of becoming NaN
-    (torch divides by zero there and documents that users should set an
-    epsilon); every other input gives torch's result up to rounding.
+    for more -- LAPACK's ``?geqrf`` and ``?orgqr`` through SciPy's wrappers,
+    overwriting one F-ordered copy of ``mat`` (``mat`` itself when it is
+    F-ordered), then ``Q`` written back: the algorithm of ``torch.linalg.qr``,
+    so the same column signs, and 36 against 127 us for a 2000 x 8 float32
+    ``P`` with ``np.linalg.qr`` (which also allocates ``R`` and ``Q`` and
+    zeroes ``R``'s lower triangle; it still serves other dtypes). One
+    deviation: with ``epsilon == 0`` an all-zero column stays zero instead of
+    becoming NaN (torch divides by zero there and documents that users should
+    set an epsilon); every other input gives torch's result up to rounding.
     """
-    cols = mat.shape[1]
+    rows, cols = mat.shape
     if cols <= 2:
         for i in range(cols):
             col = mat[:, i]
@@ -84,8 +90,19 @@ def orthogonalize(mat: np.ndarray, epsilon: float = 0.0) -> np.ndarray:
                 rest = mat[:, i + 1:]
                 rest -= np.outer(col, col @ rest)
         return mat
-    q, _ = np.linalg.qr(mat, mode="reduced")
-    mat[...] = q
+    if mat.dtype not in (np.float32, np.float64) or rows < cols:
+        q, _ = np.linalg.qr(mat, mode="reduced")
+        mat[...] = q
+        return mat
+    geqrf, orgqr = get_lapack_funcs(("geqrf", "orgqr"), (mat,))
+    work = mat if mat.flags.f_contiguous else np.asfortranarray(mat)
+    qr, tau, _lwork, info = geqrf(work, overwrite_a=True)
+    if info == 0:
+        q, _lwork, info = orgqr(qr, tau, overwrite_a=True)
+    if info != 0:
+        raise np.linalg.LinAlgError(f"LAPACK QR failed (info={info}) on a {rows} x {cols} matrix")
+    if not np.shares_memory(q, mat):
+        mat[...] = q
     return mat
 
 

@@ -58,7 +58,7 @@ spare buffer) fused with ``M Q``; (2) ``M^T P``; (3) the estimate ``P Q^T``
 write of each. The NaN/Inf agreement takes finiteness from ``M Q``
 (:meth:`PowerSGD._defers_finite_check`), so the gradient is not read once more
 for it; ``Q`` and ``P`` are orthogonalized in place
-(:func:`orthogonalize_in_place`). One call at P = 1, 2000 x 2000 float32,
+(:func:`~horovod_compress.compressors.lowrank_common.orthogonalize`, LAPACK's QR in place). One call at P = 1, 2000 x 2000 float32,
 rank 8, one thread, median of 90 calls in three runs alternating with the
 previous code (memcpy of the gradient 1.1 ms): before, 8.6 ms -- finite check
 0.6, EF14's ``np.add`` and ``np.subtract`` 3.1, ``M Q`` 1.6, ``M^T P`` 1.45
@@ -80,7 +80,6 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from scipy.linalg import get_lapack_funcs
 
 from ..kernels.arrays import is_gpu_array
 from ..kernels.powersgd import add_and_project, fits, low_rank_product, project, project_t
@@ -137,35 +136,6 @@ def _put(out: Any, avg: Any) -> Any:
 
 
 Q_SOURCES: dict[str, Callable[[int, int, int, np.dtype], np.ndarray]] = {}
-
-
-def orthogonalize_in_place(mat: np.ndarray, epsilon: float = 0.0) -> np.ndarray:
-    """:func:`~horovod_compress.compressors.lowrank_common.orthogonalize`, LAPACK called in place.
-
-    Orthonormalizes the columns of ``mat`` (rows >= cols) as ``powerSGD_hook``'s
-    ``_orthogonalize`` does: one or two columns by lowrank_common's modified
-    Gram-Schmidt; more by Householder QR, here LAPACK's ``?geqrf`` and
-    ``?orgqr`` through SciPy's wrappers overwriting one F-ordered copy of
-    ``mat`` (``mat`` itself when it is F-ordered), then ``Q`` written back --
-    the same algorithm as ``torch.linalg.qr``, so the same column signs, and
-    36 against 127 us for a 2000 x 8 float32 ``P`` (``np.linalg.qr`` also
-    allocates ``R`` and ``Q`` and zeroes ``R``'s lower triangle). The last bits
-    may differ from NumPy's LAPACK build; PowerSGD alone uses it (GreedyLore
-    and the lazy projection keep lowrank_common's). Returns ``mat``.
-    """
-    rows, cols = mat.shape
-    if cols <= 2 or mat.dtype not in (np.float32, np.float64) or rows < cols:
-        return orthogonalize(mat, epsilon)
-    geqrf, orgqr = get_lapack_funcs(("geqrf", "orgqr"), (mat,))
-    work = mat if mat.flags.f_contiguous else np.asfortranarray(mat)
-    qr, tau, _lwork, info = geqrf(work, overwrite_a=True)
-    if info == 0:
-        q, _lwork, info = orgqr(qr, tau, overwrite_a=True)
-    if info != 0:
-        raise np.linalg.LinAlgError(f"LAPACK QR failed (info={info}) on a {rows} x {cols} matrix")
-    if not np.shares_memory(q, mat):
-        mat[...] = q
-    return mat
 
 
 def register_q_source(name: str, draw: Callable[[int, int, int, np.dtype], np.ndarray]) -> None:
@@ -264,7 +234,7 @@ class PowerSGD(Method):
             q = self.initial_q(name, state.t, cols, r, mat.dtype)
         else:
             q = q.copy()
-        orthogonalize_in_place(q, self.orthogonalization_epsilon)
+        orthogonalize(q, self.orthogonalization_epsilon)
         kernels = r <= KERNEL_MAX_RANK
         send = None
         if e is not None:
@@ -287,7 +257,7 @@ class PowerSGD(Method):
 
     def _after_p(self, job: "_Job", p: np.ndarray) -> np.ndarray:
         """``P = orth(sum_i M_i Q)``; returns this rank's ``M_i^T P`` (averaged over ranks next)."""
-        orthogonalize_in_place(p, self.orthogonalization_epsilon)
+        orthogonalize(p, self.orthogonalization_epsilon)
         job.p = p
         if p.shape[1] <= KERNEL_MAX_RANK and fits(job.mat, p):
             return project_t(job.mat, p)
