@@ -208,9 +208,7 @@ class ArcTopK(Method):
         # re-created (zeroed) before the sketch pass -- a change of state the gate could not undo
         # if the ranks then disagree (a new shape on one rank: TensorMismatchError)
         st = self.state.get(name)
-        return (isinstance(self.feedback, EF21M) and st is not None
-                and all(isinstance(st.get(k), np.ndarray) and st[k].shape == x.shape
-                        and st[k].dtype == x.dtype for k in ("fb_g", "fb_G")))
+        return isinstance(self.feedback, EF21M) and st is not None and self.feedback.trackers_fit(st, x)
 
     def _local_sketch(self, g: Any, name: str, step: int, plan: ArcPlan) -> tuple[Any, bool | None]:
         """This rank's m x r sketch ``G_i V / sqrt(r)`` of the m x n view ``g``, and whether ``g``

@@ -58,6 +58,12 @@ from ..kernels.feedback import fusable, momentum_diff, track_and_copy
 from .base import Feedback, register_feedback
 
 
+def _fits(arr: Any, like: Any) -> bool:
+    """Whether tracker ``arr`` can be reused for ``like``: same array type, shape and dtype."""
+    return (arr is not None and type(arr) is type(like) and arr.shape == like.shape
+            and arr.dtype == like.dtype)
+
+
 @register_feedback
 class EF21M(Feedback):
     """EF21M: error feedback on a momentum tracker (eqs. 11a-11c); ``eta`` in (0, 1]."""
@@ -73,11 +79,17 @@ class EF21M(Feedback):
     def params(self) -> dict[str, Any]:
         return {"eta": self.eta}
 
+    def trackers_fit(self, state: dict, like: Any) -> bool:
+        """Whether every tracker this scheme keeps in ``state`` exists and fits ``like`` (so
+        :meth:`reduce` re-creates none of them: a step that changes no state before its
+        first collective)."""
+        keys = ["fb_g", "fb_G"] + ([] if self.eta == 1.0 and self.name == "ef21" else ["fb_h"])
+        return all(_fits(state.get(k), like) for k in keys)
+
     @staticmethod
     def _tracker(state: dict, key: str, like: np.ndarray) -> np.ndarray:
         arr = state.get(key)
-        if (arr is None or type(arr) is not type(like) or arr.shape != like.shape
-                or arr.dtype != like.dtype):
+        if not _fits(arr, like):
             arr = get_array_module(like).zeros_like(like)
             state[key] = arr
         return arr
