@@ -81,6 +81,7 @@ def main() -> None:
             torch.save({"model": net.state_dict(), "optimizer": opt.state_dict(),
                         "hvdc": hvdc_states, "epoch": epoch + 1}, args.checkpoint)
     dist.barrier()          # no rank leaves while another still works (gloo aborts on a closed peer)
+    hook.state.close()      # <- hvdc: its process groups go now, not during Python's exit
     dist.destroy_process_group()
 
 

@@ -362,6 +362,7 @@ def ranks_every_hook(out: Path) -> None:
         check(checks, f"checkpoint_round_trip[{label}, several buckets]",
               lambda label=label: _checkpoint(label, rank, comm, bucket_cap_mb=0.004))
     check(checks, "torch_communicator_primitives", lambda: _primitives(comm))
+    check(checks, "hook_close_releases_its_groups", _close_releases_groups)
     np.savez(out / f"records_rank{rank}.npz", **records)
     (out / f"{ranks_every_hook.__name__}_rank{rank}.json").write_text(
         json.dumps({"checks": checks, "stats": stats, "size": size}))
@@ -574,6 +575,25 @@ def _checkpoint(label, rank, comm, bucket_cap_mb=25):
     a, b = _flatten_state(hook.state.state_dict()), _flatten_state(hook2.state.state_dict())
     a.pop("/calls"), b.pop("/calls")
     assert a == b, f"hook state differs after resuming at {sorted(k for k in a if a.get(k) != b.get(k))[:5]}"
+
+
+def _close_releases_groups():
+    """HookState.close destroys the two gloo groups of the communicator it made (idempotent)."""
+    import torch
+    import torch.distributed as dist
+    from horovod_compress import Compression
+    from horovod_compress.torch.ddp import HookState
+    pg_map = dist.distributed_c10d._world.pg_map
+    before = set(pg_map)
+    state = HookState(Compression.topk(density=0.1), process_group=dist.group.WORLD)
+    made = set(pg_map) - before
+    assert len(made) == 2, f"expected the communicator's 2 groups, got {len(made)}"
+    x = np.arange(4, dtype=np.float32)
+    assert np.array_equal(state.comm.allreduce(x, "sum"), x * dist.get_world_size())
+    state.close()
+    assert not made & set(pg_map), "groups still registered after close()"
+    state.close()                           # idempotent
+    assert torch.is_tensor(torch.zeros(1))  # the process goes on normally
 
 
 def _primitives(comm):

@@ -180,6 +180,33 @@ class TorchCommunicator(FusingAccounting):
     def _group_for(self, array: Any) -> Any:
         return self._device_group if is_gpu_array(array) else self._group
 
+    def close(self) -> None:
+        """Destroy the two private gloo groups now and drop every reference to them (idempotent).
+
+        Call it before the process exits (the process-wide
+        :func:`default_communicator` is closed by an ``atexit`` handler, and
+        ``HookState.close`` closes a hook's own). Why: a gloo group's C++
+        object is freed when its last Python reference goes; if that happens
+        during interpreter finalization (a module-level communicator), its
+        worker threads may still free tensors made with ``torch.from_numpy``,
+        whose deleter needs the GIL -- and a thread that asks for the GIL
+        while Python finalizes is ended, which aborts the process ("terminate
+        called without an active exception", seen once in CI at the end of a
+        DDP run). Closed here, those objects go while Python is fully alive.
+        The communicator cannot be used afterwards.
+        """
+        groups = [g for g in (self.__dict__.get("_group"), self.__dict__.get("_check_group"))
+                  if g is not None]
+        self._group = self._check_group = self._device_group = None
+        self.comm = None
+        dist = _dist()
+        for g in groups:
+            if dist.is_initialized() and g in dist.distributed_c10d._world.pg_map:
+                dist.destroy_process_group(g)
+        del groups
+        import gc  # noqa: PLC0415 - only here: the groups' C++ objects go now, not at exit
+        gc.collect()
+
     def padding_bytes(self) -> float:
         """Bytes of padding this backend sent beyond the model in allgatherv (cumulative)."""
         return self._padding
@@ -636,6 +663,31 @@ _MPI_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCA
 _DEFAULT: Any = None
 
 
+_RELEASE_REGISTERED = False
+
+
+def release_default_communicator() -> None:
+    """Close the process-wide communicator of :func:`default_communicator` (if it is a
+    :class:`TorchCommunicator`) and forget it; the next call creates a new one.
+
+    Runs by itself at exit (``atexit``, while Python is fully alive; see
+    :meth:`TorchCommunicator.close` for why that matters). Call it yourself
+    before ``dist.destroy_process_group()`` to release the groups earlier.
+    """
+    global _DEFAULT
+    comm, _DEFAULT = _DEFAULT, None
+    if isinstance(comm, TorchCommunicator):
+        comm.close()
+
+
+def _register_release_at_exit() -> None:
+    global _RELEASE_REGISTERED
+    if not _RELEASE_REGISTERED:
+        import atexit  # noqa: PLC0415
+        atexit.register(release_default_communicator)
+        _RELEASE_REGISTERED = True
+
+
 def default_communicator() -> Any:
     """The process-wide communicator for the current job, chosen automatically.
 
@@ -648,6 +700,7 @@ def default_communicator() -> Any:
     global _DEFAULT
     if _DEFAULT is not None:
         return _DEFAULT
+    _register_release_at_exit()
     choice = os.environ.get("HVDC_COMM_BACKEND", "").strip().lower()
     if choice not in ("", "torch", "mpi"):
         raise ValueError(f"HVDC_COMM_BACKEND must be 'torch' or 'mpi', got {choice!r}")
@@ -663,4 +716,4 @@ def default_communicator() -> Any:
 
 
 __all__ = ["OpStats", "SelfCommunicator", "TorchCommunicator", "TorchRequest",
-           "default_communicator", "torch_distributed_active"]
+           "default_communicator", "release_default_communicator", "torch_distributed_active"]

@@ -152,6 +152,7 @@ class HookState:
                  process_group: Any = None) -> None:
         check_method(method, "comm_hook's method", TypeError)
         self._process_group = process_group
+        self._owns_comm = comm is None and process_group is not None
         self._comm = comm if comm is not None else self._make_comm()
         self.exchange = HookExchange(method, self._comm)
         self._names: dict[int, str] = {}
@@ -194,6 +195,23 @@ class HookState:
     def reset_statistics(self) -> None:
         """Zero the counters (all but ``iteration``) and the communicator's; not the method's state."""
         self.exchange.reset_statistics()
+
+    def close(self) -> None:
+        """Release the communicator's process groups before the process exits (idempotent).
+
+        Call it after the last iteration, before ``dist.destroy_process_group()``:
+        a communicator this hook created for ``process_group`` is closed, and
+        the process-wide default one (the automatic choice) is released --
+        :meth:`~horovod_compress.mpi_collectives.torch_dist.TorchCommunicator.close`
+        says why groups must not outlive Python's finalization. A communicator
+        passed as ``comm`` is the caller's to close. The hook cannot reduce
+        buckets afterwards.
+        """
+        from ..mpi_collectives import torch_dist
+        if self._owns_comm:
+            self._comm.close()
+        elif self._comm is torch_dist._DEFAULT:
+            torch_dist.release_default_communicator()
 
     def reduce_bucket(self, bucket: Any) -> torch.futures.Future:
         """Average ``bucket``'s gradients over ranks with the method.
