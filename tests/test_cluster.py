@@ -253,6 +253,7 @@ def test_bench_e2e_writes_its_tables(tmp_path):
     assert run["burst_bytes"] > 0 and run["load_before"] >= 0 and run["load_after"] >= 0
     assert (out / "e2e.png").stat().st_size > 1000
     assert "Speedup of a whole step over dense" in (out / "e2e.md").read_text()
+    assert "Speedup of the exchange alone over dense" in (out / "e2e.md").read_text()
     # hvdc model reads those profiles: a row per method, dense at 1.00x, a break-even for the others
     table = out / "model.md"
     proc = subprocess.run([sys.executable, "-m", "horovod_compress.cli", "model", "--profiles",

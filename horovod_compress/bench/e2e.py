@@ -425,6 +425,31 @@ def _nominal_gbit(bw: str) -> float:
     return parse_rate(bw) / 1e9
 
 
+def exchange_speedup_table(runs: list[dict[str, Any]], labels: list[str]) -> list[str]:
+    """Markdown lines: each method's exchange (its compressed allreduces of one step, without the
+    forward/backward pass) against dense's, measured in the same run, with the milliseconds.
+
+    For a one-tensor model (``matrix2000``) this is one compressed allreduce of the gradient;
+    the whole-step table adds the same compute to both sides of the ratio.
+    """
+    cols = [f"P={r['world_size']} {_fmt_bw(r['bandwidth'])}" for r in runs]
+    lines = ["", "## Speedup of the exchange alone over dense", "",
+             "The gradient exchange of one step (compression + communication + decompression, the "
+             "method's `allreduce` calls; no forward/backward pass): dense exchange time / the method's, "
+             "in the same run, and the method's exchange in ms.", "",
+             "| method | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for label in labels:
+        cells = []
+        for r in runs:
+            m, dense = r["methods"].get(label, {}), r["methods"].get("none", {})
+            if "error" in m or "exchange_s" not in m or "exchange_s" not in dense or m["exchange_s"] <= 0:
+                cells.append("error" if "error" in m else "-")
+                continue
+            cells.append(f"{dense['exchange_s'] / m['exchange_s']:.2f}x ({m['exchange_s'] * 1e3:.1f} ms)")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def _fmt_bw(bw: str) -> str:
     return {"100mbit": "100 Mbit", "1gbit": "1 Gbit", "10gbit": "10 Gbit", SHM: "shm"}.get(bw, bw)
 
@@ -510,6 +535,7 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
             m = r["methods"].get(label, {})
             mb.append("-" if "error" in m else f"{m['bytes_per_step'] / 1e6:.2f}")
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {', '.join(mb)} |")
+    lines += exchange_speedup_table(runs, labels)
     for r in runs:
         lines += ["", f"## Breakdown, P = {r['world_size']}, {_fmt_bw(r['bandwidth'])}", "",
                   f"Seconds per step (mean over ranks of the median step). compress = the method's own "
