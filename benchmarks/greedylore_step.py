@@ -71,7 +71,7 @@ def pieces(rank: int, repeats: int = 21) -> dict[str, float]:
         xi = meth.probes_for("w", it, *SHAPE, np.float32)
         t = tick("draw probes xi (n numbers)", t)
         v = np.empty((SHAPE[0], 1), np.float32)
-        add_and_probe(m_mat, err, xi, v)
+        add_and_probe(m_mat, err, xi, v, err)
         t = tick("A = M + e and v = A xi (one pass)", t)
         score = np.square(u.T @ v, dtype=np.float64)[:, 0]
         t = tick("scores U^T v (GEMV)", t)

@@ -29,7 +29,12 @@ from horovod_compress.compressors.greedylore import (
 from horovod_compress.compressors.lazy_projection import LazyProjection
 from horovod_compress.compressors.lowrank_common import should_compress, top_indices
 from horovod_compress.compressors.powersgd import PowerSGD
-from horovod_compress.kernels.lowrank import add_and_probe, project, reconstruct
+from horovod_compress.kernels.lowrank import (
+    add_and_probe,
+    project,
+    reconstruct,
+    reconstruct_and_subtract,
+)
 from horovod_compress.testing import (
     gather_float64,
     low_rank_gradient,
@@ -408,6 +413,28 @@ def case_checkpoint(comm):
     return res
 
 
+def case_nan_step(comm):
+    """A NaN on one rank under nonfinite="skip": every rank skips the step, the error and the
+    step counter stay as they were (the fused pass wrote A into the spare buffer), and the next
+    finite step gives the same result as on a method that never saw the NaN."""
+    rng = np.random.default_rng(20 + comm.rank)
+    grads = [rng.standard_normal((24, 40)).astype(np.float32) for _ in range(4)]
+    a, b = (GreedyLore(rank=2, period=50, seed=3) for _ in range(2))
+    a.set_nonfinite("skip")
+    for g in grads[:2]:
+        assert np.array_equal(a.allreduce(g, "w", comm), b.allreduce(g, "w", comm))
+    err, t = a.state["w"]["error"].copy(), a.state["w"].t
+    bad = grads[2].copy()
+    if comm.rank == comm.size - 1:
+        bad[5, 7] = np.nan
+    a.allreduce(bad, "w", comm)
+    assert a.last_step_skipped
+    assert np.array_equal(a.state["w"]["error"], err) and a.state["w"].t == t
+    assert np.array_equal(a.allreduce(grads[3], "w", comm), b.allreduce(grads[3], "w", comm))
+    assert np.array_equal(a.state["w"]["error"], b.state["w"]["error"])
+    return True
+
+
 # ------------------------------------------------------ tests on MPI results
 @pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
 def mpi(request):
@@ -505,6 +532,13 @@ def test_edge_shapes(mpi):
         assert all(v < 1e-5 for k, v in out.items() if k != "tall_ok")
 
 
+def test_nan_step_leaves_error_and_counter(mpi):
+    """A NaN on one rank (nonfinite="skip", the NaN found by the fused first pass): the step is
+    skipped everywhere with the error and step counter as they were; later steps unchanged."""
+    _p, res = mpi
+    assert all(res[case_nan_step].values())
+
+
 def test_checkpoint_roundtrip(mpi):
     _p, res = mpi
     for out in res[case_checkpoint].values():
@@ -550,10 +584,31 @@ def test_add_and_probe_kernel(dtype, probes):
     xi = rng.standard_normal((probes, 33)).astype(dtype)
     want_a = m_mat + err
     v = np.empty((7, probes), dtype=dtype)
-    add_and_probe(m_mat, err, xi, v)
     tol = 1e-5 if dtype == np.float32 else 1e-12
-    assert np.array_equal(err, want_a)
+    dst = np.full_like(err, np.nan)              # into a second buffer: err is left as it was
+    err_before = err.copy()
+    add_and_probe(m_mat, err, xi, v, dst)
+    assert np.array_equal(dst, want_a) and np.array_equal(err, err_before)
     assert np.allclose(v, want_a @ xi.T, rtol=tol, atol=tol)
+    v2 = np.empty_like(v)
+    add_and_probe(m_mat, err, xi, v2, err)       # in place
+    assert np.array_equal(err, want_a) and np.allclose(v2, v, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("r", [1, 3, 4, 5, 9])
+def test_reconstruct_and_subtract_kernel(dtype, r):
+    """``out = q c`` and ``a -= q c_local`` in one sweep, against NumPy (every r mod 4)."""
+    rng = np.random.default_rng(8)
+    q = rng.standard_normal((11, r)).astype(dtype)
+    c, c_local = (rng.standard_normal((r, 37)).astype(dtype) for _ in range(2))
+    a = rng.standard_normal((11, 37)).astype(dtype)
+    want_out, want_a = q @ c, a - q @ c_local
+    out = np.full((11, 37), np.nan, dtype=dtype)
+    reconstruct_and_subtract(q, c, c_local, out, a)
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    assert np.allclose(out, want_out, rtol=tol, atol=tol)
+    assert np.allclose(a, want_a, rtol=tol, atol=tol)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

@@ -70,41 +70,52 @@ Decisions where the paper leaves room (checked against its prose):
 * **Per-step work** (implementation, same arithmetic; measured numbers in
   docs/methods/greedylore.md). An ordinary step streams the m x n matrices
   as few times as the data dependences allow: (1) one pass that adds
-  ``M_i`` into the error buffer (which becomes ``A_i``) and takes ``v =
-  A_i xi`` (:func:`..kernels.lowrank.add_and_probe`; the first probe's dot
-  product in the same loop as the addition); the scores are ``U^T v`` (one
-  GEMV, a read of the m x m ``U``); (2) ``C_i = Q^T A_i``, ``A_i`` read
-  once (:func:`..kernels.lowrank.project` for ``r <= 4``, BLAS above); (3)
-  ``Q C`` written once (:func:`..kernels.lowrank.reconstruct` for ``r <=
-  5``, BLAS above) and ``e_i = A_i - Q C_i`` as one in-place GEMM with
-  ``beta = 1`` (:func:`subtract_low_rank`) -- no m x n temporaries. The
+  ``M_i`` and the error into a second error buffer (which becomes ``A_i``;
+  the error itself is left as it was until the step's NaN/Inf agreement
+  has passed) and takes ``v = A_i xi``
+  (:func:`..kernels.lowrank.add_and_probe`; the first probe's dot product
+  in the same loop as the addition). The same ``v`` answers the NaN/Inf
+  check (a NaN or Inf in ``M_i`` makes its row's product NaN/Inf;
+  :func:`_probe_says_finite`), so the gradient is not read once more for it.
+  The scores are ``U^T v`` (one GEMV, a read of the m x m ``U``); (2)
+  ``C_i = Q^T A_i``, ``A_i`` read once (:func:`..kernels.lowrank.project`
+  for ``r <= 4``, BLAS above); (3) ``Q C`` written and ``e_i = A_i - Q C_i``
+  computed in place in one sweep of the rows
+  (:func:`..kernels.lowrank.reconstruct_and_subtract`, ``r <= 5``; above
+  it, or for transposed tensors, :func:`..kernels.lowrank.reconstruct` or
+  BLAS and one in-place GEMM with ``beta = 1``, :func:`subtract_low_rank`);
+  the buffers then swap -- no m x n temporaries. The
   dense ``local = Q C_i`` of the ``_reduce`` protocol is built only when a
   caller asks for it; the framework's path (``_BuiltInFeedback``) does not,
   since the error is kept here. Compute: ``probes (m n + m^2)`` for the
   scores and ``r m n`` each for ``C_i``, ``Q C`` and the error, against
   PowerSGD's ``3 r m n`` plus its feedback's two element-wise passes; no
-  orthogonalization. Float results: ``v`` is bit for bit what the
-  two-loop pass gave; ``C_i`` from ``project`` sums each entry over the
-  rows in groups of four (fused multiply-adds) instead of BLAS's blocking,
-  so ``C_i``, ``Q C`` and the new error differ from the BLAS path in the
-  last bits (relative 1e-6 in float32 on 2000 x 2000; same columns chosen).
+  orthogonalization. Float results: ``C_i`` from ``project`` sums each
+  entry over the rows in groups of four (fused multiply-adds) instead of
+  BLAS's blocking, so ``C_i``, ``Q C`` and the new error differ from the
+  BLAS path in the last bits (relative 1e-6 in float32 on 2000 x 2000;
+  same columns chosen).
 * **Where the time goes, and the floor** (2000 x 2000 float32, r = 4, one
   thread, P = 1, in units of a memcpy of the gradient measured in the same
-  process): the framework's NaN/Inf read of ``x`` 0.46; ``A = M + e`` with
+  process; before the second error buffer and the fused last sweep): the
+  framework's NaN/Inf read of ``x`` 0.46; ``A = M + e`` with
   ``v`` 1.0; ``U^T v`` 0.47; draw, scores, top-r, ``Q`` 0.25; ``C_i`` 0.54;
   ``Q C`` into a new array 1.0; the error 0.55 -- 4.4 in all (PowerSGD r = 4
-  3.2 in the same run). The data dependences fix the memory traffic at
+  3.2 in the same run). The second buffer removes the NaN/Inf read and the
+  fused sweep one pass over the rows; the whole call then measured 11.0-11.7
+  ms against 12.6-15.9 ms before (three interleaved runs each, 20th
+  percentile of 80 calls, this 2-core VM on a slow evening: memcpy 2.2-3.1
+  ms), 0.99-1.47x PowerSGD r = 4 in the same processes (1.40-1.52x before).
+  The data dependences fix the memory traffic at
   about 3.5 memcpys: ``A_i`` must be read again after each of the two
   allreduces (``Q`` depends on all of ``A_i`` through the reduced scores,
   and the error on all of ``C_i``), the scores read all of ``U`` (m x m,
   as large as the gradient: the paper's greedy choice ranges over every
-  column), and the estimate is a new array. The check for NaN/Inf cannot
-  come from this method's first pass: that pass writes ``A_i`` into the
-  error, which a step abandoned for NaN/Inf must leave as it was; writing
-  ``A_i`` to a second buffer instead costs the same read (measured slower).
-  The rest (about 1x) is the kernels' compute at 256-bit vectors and
-  Python overhead. The SVD step (``U`` every ``period`` steps, about 1.3 s
-  here) adds about 6.5 ms per step averaged over the default period 200.
+  column), and the estimate is a new array. The rest is the kernels'
+  compute at 256-bit vectors and Python overhead. The SVD step (``U``
+  every ``period`` steps, about 1.3 s here) adds about 6.5 ms per step
+  averaged over the default period 200. Memory: one more m x n buffer per
+  tensor (the spare error).
 * **Rounds.** Two allreduces per ordinary step (scores, then projection),
   as in the paper; they cannot be fused, since ``Q`` is chosen from the
   reduced scores. Byte counts are unchanged.
@@ -138,7 +149,7 @@ from .lowrank_common import (
     top_indices,
 )
 from ..feedback import Feedback
-from ..kernels.lowrank import add_and_probe, project, reconstruct
+from ..kernels.lowrank import add_and_probe, project, reconstruct, reconstruct_and_subtract
 from ..params import check_choice, check_int
 from .registry import register
 
@@ -201,6 +212,22 @@ def subtract_low_rank(a: np.ndarray, q: np.ndarray, c: np.ndarray) -> np.ndarray
     if not np.shares_memory(res, a):          # BLAS had to copy: write the result back
         a[...] = res.T
     return a
+
+
+def _probe_says_finite(v: np.ndarray, mat: np.ndarray) -> bool:
+    """Whether the gradient ``mat`` is finite, read from the first probe products ``v = A xi``.
+
+    ``A = M + e`` with a finite error ``e``: a NaN or an Inf in row i of ``M``
+    makes ``A``'s entry NaN or infinite, and its product with the probe
+    entry NaN or infinite whatever that entry is (NaN x y and Inf x 0 are
+    NaN; the kernels' fast-math flags allow re-association and contraction
+    only, so NaN/Inf propagate), so a finite ``v[:, 0]`` proves ``M`` finite
+    without reading it again. A non-finite ``v`` (which an overflow of
+    finite numbers can also cause) has the gradient tested element by element.
+    """
+    if bool(np.isfinite(v[:, 0]).all()):
+        return True
+    return bool(np.isfinite(mat).all())
 
 
 def _kernel_ready(*arrays: np.ndarray) -> bool:
@@ -297,11 +324,13 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
         """One step of Algorithm 3: ``(avg, local)``; ``local`` is ``None`` unless ``want_local``."""
         mat = compressed_matrix(x, self.rank, self.min_compression_rate)
         if mat is None:
+            self._pass_finite_gate()
             return comm.allreduce(x, op="avg"), x
         m_mat, transposed = working_matrix(mat)
         m, n = m_mat.shape
         u = state.get("U")
         if self.is_svd_step(state.t) or u is None or u.shape != (m, m) or u.dtype != m_mat.dtype:
+            self._pass_finite_gate()
             with comm.phase("greedylore.svd"):
                 g = comm.allreduce(np.ascontiguousarray(m_mat), op="avg")
             state["U"] = left_singular_vectors(g)
@@ -311,19 +340,23 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
             avg = g.T if transposed else g
             return np.ascontiguousarray(avg).reshape(x.shape), x
 
-        # A_i = M_i + e_i (eq. 9a), in the error's own buffer when it can be reused
-        # (state_dict copies, so no checkpoint shares it); ``owned``: a may be overwritten.
+        # A_i = M_i + e_i (eq. 9a). Fused path: into the spare error buffer (the error is left
+        # as it was until the NaN/Inf agreement passes), with v = A_i xi in the same pass.
         e = state.get("error")
         has_error = self.error_feedback and e is not None and e.shape == (m, n)
-        in_place = has_error and e.dtype == m_mat.dtype and e.flags.c_contiguous \
-            and e.flags.writeable
         xi = self.probes_for(name, state.t, m, n, m_mat.dtype)
-        if in_place and self.probe_mode == "shared" and _kernel_ready(m_mat, e, xi):
-            # one pass: e += M_i (now A_i) and v = A_i xi (eq. 23, shared probes)
+        fused = (has_error and self.probe_mode == "shared" and e.dtype == m_mat.dtype
+                 and e.flags.c_contiguous and _kernel_ready(m_mat, e, xi))
+        if fused:
+            a = self._spare_error(name, e)
             v = np.empty((m, self.probes), dtype=m_mat.dtype)
-            add_and_probe(m_mat, e, xi, v)
-            a, owned, vals = e, True, u.T @ v
+            add_and_probe(m_mat, e, xi, v, a)
+            self._pass_finite_gate(_probe_says_finite(v, m_mat))
+            owned, vals = True, u.T @ v
         else:
+            self._pass_finite_gate()
+            in_place = has_error and e.dtype == m_mat.dtype and e.flags.c_contiguous \
+                and e.flags.writeable
             if in_place:
                 a, owned = np.add(m_mat, e, out=e), True
             elif has_error:
@@ -339,15 +372,54 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
         c_local = self._projection(a, q)                  # Q^T A_i (r x n), eq. 10
         with comm.phase("greedylore.projection"):
             c = np.ascontiguousarray(comm.allreduce(c_local, op="avg"))
-        avg = self._low_rank(q, c, transposed)            # Q C, in x's orientation
         local = self._low_rank(q, c_local, transposed) if want_local else None
-        if self.error_feedback:                           # e_i = A_i - Q Q^T A_i (eq. 9b)
-            if owned and a.flags.c_contiguous and a.dtype in (np.float32, np.float64):
-                state["error"] = subtract_low_rank(a, q, c_local)
-            else:
-                state["error"] = a - q @ c_local
+        if (self.error_feedback and owned and not transposed and q.shape[1] <= KERNEL_MAX_RANK
+                and _kernel_ready(q, c, c_local, a)):
+            # Q C (eq. 10) and e_i = A_i - Q C_i (eq. 9b) in one sweep of the rows
+            avg = np.empty((m, n), dtype=a.dtype)
+            reconstruct_and_subtract(q, c, c_local, avg, a)
+            new_error = a
+        else:
+            avg = self._low_rank(q, c, transposed)        # Q C, in x's orientation
+            new_error = None
+            if self.error_feedback:                       # e_i = A_i - Q Q^T A_i (eq. 9b)
+                if owned and a.flags.c_contiguous and a.dtype in (np.float32, np.float64):
+                    new_error = subtract_low_rank(a, q, c_local)
+                else:
+                    new_error = a - q @ c_local
+        if new_error is not None:
+            if fused:                                     # the old error is the next spare
+                self.__dict__.setdefault("_spare_errors", {})[name] = e
+            state["error"] = new_error
         state["columns"] = cols.astype(np.int64)
         return avg.reshape(x.shape), (None if local is None else local.reshape(x.shape))
+
+    def _spare_error(self, name: str, like: np.ndarray) -> np.ndarray:
+        """The second error buffer of tensor ``name`` (shape and dtype of ``like``), reused.
+
+        The fused pass writes ``A_i = M_i + e_i`` here instead of over
+        ``e_i``, so a step the NaN/Inf agreement rejects leaves the error as it
+        was; after the step the buffers swap. Not checkpointed (its content is
+        dead between steps); one more m x n array per tensor.
+        """
+        bufs = self.__dict__.setdefault("_spare_errors", {})
+        buf = bufs.get(name)
+        if (buf is None or buf.shape != like.shape or buf.dtype != like.dtype
+                or np.shares_memory(buf, like)):
+            buf = np.empty_like(like, order="C")
+            bufs[name] = buf
+        return buf
+
+    def _defers_finite_check(self, x: Any, name: str, comm: Any) -> bool:
+        """Yes for a NumPy float32/float64 gradient (:meth:`Method._defers_finite_check`).
+
+        Every path of :meth:`_step` passes the gate once, before its first
+        collective and before it changes the tensor's state: the fused
+        ordinary step with the finiteness its first pass found
+        (:func:`_probe_says_finite`), the others testing the gradient.
+        """
+        return (type(x) is np.ndarray and x.dtype in (np.float32, np.float64)
+                and isinstance(self.feedback, _BuiltInFeedback))
 
     @staticmethod
     def _projection(a: np.ndarray, q: np.ndarray) -> np.ndarray:

@@ -35,23 +35,27 @@ _FLAGS = {"reassoc", "contract"}
 
 
 @njit(cache=True, fastmath=_FLAGS)
-def add_and_probe(mat: np.ndarray, err: np.ndarray, xi: np.ndarray, out: np.ndarray) -> None:
-    """``err += mat`` (so ``err`` holds ``A = M + e``) and ``out[:, k] = A xi[k]`` in one pass.
+def add_and_probe(mat: np.ndarray, err: np.ndarray, xi: np.ndarray, out: np.ndarray,
+                  dst: np.ndarray) -> None:
+    """``dst = mat + err`` (``A = M + e``) and ``out[:, k] = A xi[k]`` in one pass.
 
-    ``mat``, ``err``: (m, n); ``xi``: (probes, n), probes >= 1; ``out``: (m, probes).
-    The first probe's dot product runs in the same loop as the addition (each
-    ``A`` entry is used while in a register); further probes sweep the row
-    again, in L1. The dot products accumulate in float64.
+    ``mat``, ``err``, ``dst``: (m, n), ``dst`` may be ``err`` (in place) or a
+    second buffer (the error is then left as it was, for a step that the
+    NaN/Inf agreement may still reject); ``xi``: (probes, n), probes >= 1;
+    ``out``: (m, probes). The first probe's dot product runs in the same loop
+    as the addition (each ``A`` entry is used while in a register); further
+    probes sweep the row again, in L1. The dot products accumulate in float64.
     """
     m, n = err.shape
     probes = xi.shape[0]
     p0 = xi[0]
     for i in range(m):
-        row = err[i]
+        row = dst[i]
+        old = err[i]
         src = mat[i]
         acc = 0.0
         for j in range(n):
-            t = row[j] + src[j]
+            t = old[j] + src[j]
             row[j] = t
             acc += t * p0[j]
         out[i, 0] = acc
@@ -131,3 +135,53 @@ def project(a: np.ndarray, q: np.ndarray, c: np.ndarray) -> None:
                     wt = q[i0 + t, k]
                     for j in range(n):
                         ck[j] += wt * at[j]
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def reconstruct_and_subtract(q: np.ndarray, c: np.ndarray, c_local: np.ndarray,
+                             out: np.ndarray, a: np.ndarray) -> None:
+    """``out = q @ c`` and ``a -= q @ c_local`` in one sweep of the rows.
+
+    The two writes of an ordinary GreedyLore step after the projection
+    allreduce: the estimate ``Q C`` (eq. 10, ``C`` the average over ranks)
+    and the new error ``e_i = A_i - Q C_i`` (eq. 9b, ``C_i = Q^T A_i`` this
+    rank's). :func:`reconstruct` then a BLAS GEMM with ``beta = 1`` sweep
+    the rows twice (a write of ``out``, then a read and a write of ``a``);
+    here each row of ``a`` and ``out`` is touched once, four rank terms of
+    both products per sweep (the rows of ``c`` and ``c_local`` come from
+    cache). ``q`` (m, r), ``c``, ``c_local`` (r, n), ``out``, ``a`` (m, n);
+    one float dtype, C-contiguous, r >= 1.
+    """
+    m, n = out.shape
+    r = q.shape[1]
+    for i in range(m):
+        o = out[i]
+        ai = a[i]
+        k = 0
+        while k < r:
+            if r - k >= 4:
+                w0, w1, w2, w3 = q[i, k], q[i, k + 1], q[i, k + 2], q[i, k + 3]
+                c0, c1, c2, c3 = c[k], c[k + 1], c[k + 2], c[k + 3]
+                l0, l1, l2, l3 = c_local[k], c_local[k + 1], c_local[k + 2], c_local[k + 3]
+                if k == 0:
+                    for j in range(n):
+                        o[j] = w0 * c0[j] + w1 * c1[j] + w2 * c2[j] + w3 * c3[j]
+                        ai[j] -= w0 * l0[j] + w1 * l1[j] + w2 * l2[j] + w3 * l3[j]
+                else:
+                    for j in range(n):
+                        o[j] += w0 * c0[j] + w1 * c1[j] + w2 * c2[j] + w3 * c3[j]
+                        ai[j] -= w0 * l0[j] + w1 * l1[j] + w2 * l2[j] + w3 * l3[j]
+                k += 4
+            else:
+                w = q[i, k]
+                ck = c[k]
+                lk = c_local[k]
+                if k == 0:
+                    for j in range(n):
+                        o[j] = w * ck[j]
+                        ai[j] -= w * lk[j]
+                else:
+                    for j in range(n):
+                        o[j] += w * ck[j]
+                        ai[j] -= w * lk[j]
+                k += 1
