@@ -176,6 +176,8 @@ def run(args: argparse.Namespace) -> int:
             if values:
                 report[key] = values[0] if len(set(values)) == 1 else "; ".join(dict.fromkeys(values))
         report["failed_runs"] = [f for old in olds for f in old.get("failed_runs", [])]
+        if all("namespaces_left" in old for old in olds):   # the runs' own teardown check
+            report["namespaces_left"] = [n for old in olds for n in old["namespaces_left"]]
         write_results(report, Path(args.out), args.name)
         print(render_markdown(report))
         return 0
