@@ -667,16 +667,18 @@ _RELEASE_REGISTERED = False
 
 
 def release_default_communicator() -> None:
-    """Close the process-wide communicator of :func:`default_communicator` (if it is a
-    :class:`TorchCommunicator`) and forget it; the next call creates a new one.
+    """Close the process-wide communicator of :func:`default_communicator` when it is a
+    :class:`TorchCommunicator`, and forget it (the next call creates a new one); an MPI
+    communicator is left alone (mpi4py finalizes MPI itself).
 
-    Runs by itself at exit (``atexit``, while Python is fully alive; see
-    :meth:`TorchCommunicator.close` for why that matters). Call it yourself
-    before ``dist.destroy_process_group()`` to release the groups earlier.
+    Runs by itself at exit (``atexit``, registered when the torch communicator is
+    made, so while Python is fully alive; see :meth:`TorchCommunicator.close` for
+    why that matters). Call it yourself before ``dist.destroy_process_group()`` to
+    release the groups earlier.
     """
     global _DEFAULT
-    comm, _DEFAULT = _DEFAULT, None
-    if isinstance(comm, TorchCommunicator):
+    if isinstance(_DEFAULT, TorchCommunicator):
+        comm, _DEFAULT = _DEFAULT, None
         comm.close()
 
 
@@ -700,7 +702,6 @@ def default_communicator() -> Any:
     global _DEFAULT
     if _DEFAULT is not None:
         return _DEFAULT
-    _register_release_at_exit()
     choice = os.environ.get("HVDC_COMM_BACKEND", "").strip().lower()
     if choice not in ("", "torch", "mpi"):
         raise ValueError(f"HVDC_COMM_BACKEND must be 'torch' or 'mpi', got {choice!r}")
@@ -709,6 +710,7 @@ def default_communicator() -> Any:
         and not any(v in os.environ for v in _MPI_LAUNCHER_VARS))
     if use_torch:
         _DEFAULT = TorchCommunicator()
+        _register_release_at_exit()      # its gloo groups go before Python finalizes
     else:
         from ..runtime.world import FrontEndWorld
         _DEFAULT = FrontEndWorld("horovod.torch").communicator()
