@@ -400,11 +400,14 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
         The fused pass writes ``A_i = M_i + e_i`` here instead of over
         ``e_i``, so a step the NaN/Inf agreement rejects leaves the error as it
         was; after the step the buffers swap. Not checkpointed (its content is
-        dead between steps); one more m x n array per tensor.
+        dead between steps); one more m x n array per tensor. A swapped-in
+        error that cannot be written or is not C-contiguous is replaced by a
+        fresh buffer.
         """
         bufs = self.__dict__.setdefault("_spare_errors", {})
         buf = bufs.get(name)
         if (buf is None or buf.shape != like.shape or buf.dtype != like.dtype
+                or not (buf.flags.writeable and buf.flags.c_contiguous)
                 or np.shares_memory(buf, like)):
             buf = np.empty_like(like, order="C")
             bufs[name] = buf
