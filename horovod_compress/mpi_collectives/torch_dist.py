@@ -666,10 +666,11 @@ _DEFAULT: Any = None
 _RELEASE_REGISTERED = False
 
 
-def release_default_communicator() -> None:
+def release_default_communicator(comm: Any = None) -> None:
     """Close the process-wide communicator of :func:`default_communicator` when it is a
-    :class:`TorchCommunicator`, and forget it (the next call creates a new one); an MPI
-    communicator is left alone (mpi4py finalizes MPI itself).
+    :class:`TorchCommunicator` (and, given ``comm``, only if it is that one), and forget it
+    (the next call creates a new one); an MPI communicator is left alone (mpi4py
+    finalizes MPI itself).
 
     Runs by itself at exit (``atexit``, registered when the torch communicator is
     made, so while Python is fully alive; see :meth:`TorchCommunicator.close` for
@@ -677,9 +678,9 @@ def release_default_communicator() -> None:
     release the groups earlier.
     """
     global _DEFAULT
-    if isinstance(_DEFAULT, TorchCommunicator):
-        comm, _DEFAULT = _DEFAULT, None
-        comm.close()
+    if isinstance(_DEFAULT, TorchCommunicator) and (comm is None or comm is _DEFAULT):
+        default, _DEFAULT = _DEFAULT, None
+        default.close()
 
 
 def _register_release_at_exit() -> None:

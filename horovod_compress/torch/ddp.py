@@ -207,11 +207,11 @@ class HookState:
         passed as ``comm`` is the caller's to close. The hook cannot reduce
         buckets afterwards.
         """
-        from ..mpi_collectives import torch_dist
+        from ..mpi_collectives.torch_dist import release_default_communicator
         if self._owns_comm:
             self._comm.close()
-        elif self._comm is torch_dist._DEFAULT:
-            torch_dist.release_default_communicator()
+        else:
+            release_default_communicator(self._comm)
 
     def reduce_bucket(self, bucket: Any) -> torch.futures.Future:
         """Average ``bucket``'s gradients over ranks with the method.
