@@ -389,10 +389,14 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
                     new_error = a - q @ c_local
         if new_error is not None:
             if fused:                                     # the old error is the next spare
-                self.__dict__.setdefault("_spare_errors", {})[name] = e
+                self._spare_errors()[name] = e
             state["error"] = new_error
         state["columns"] = cols.astype(np.int64)
         return avg.reshape(x.shape), (None if local is None else local.reshape(x.shape))
+
+    def _spare_errors(self) -> dict[str, np.ndarray]:
+        """Tensor name -> its spare error buffer (:meth:`_spare_error`)."""
+        return self.__dict__.setdefault("_spare_error_buffers", {})
 
     def _spare_error(self, name: str, like: np.ndarray) -> np.ndarray:
         """The second error buffer of tensor ``name`` (shape and dtype of ``like``), reused.
@@ -404,7 +408,7 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
         error that cannot be written or is not C-contiguous is replaced by a
         fresh buffer.
         """
-        bufs = self.__dict__.setdefault("_spare_errors", {})
+        bufs = self._spare_errors()
         buf = bufs.get(name)
         if (buf is None or buf.shape != like.shape or buf.dtype != like.dtype
                 or not (buf.flags.writeable and buf.flags.c_contiguous)
