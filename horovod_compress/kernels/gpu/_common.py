@@ -29,31 +29,17 @@ import math
 from typing import Any, Callable
 
 import numpy as np
-from numba import config, cuda, int64
+from numba import cuda, int64
 
 from ..arrays import is_cupy, is_gpu_array, to_device_like, to_host  # noqa: F401 - re-exported
+from ._simulator import SIMULATOR, guard_simulator_globals, make_simulator_thread_safe  # noqa: F401 - re-exported
 
-SIMULATOR = bool(config.ENABLE_CUDASIM)
+make_simulator_thread_safe()  # a no-op on a device; see _simulator for the two races it removes
+
 TPB = 32 if SIMULATOR else 256          # threads per block (a power of two)
 ITEMS = 16 if SIMULATOR else 8          # consecutive items per thread in a scan tile (<= 64)
 TILE = TPB * ITEMS                      # items per block-wide scan
 MAX_BLOCKS = 3 if SIMULATOR else 1024
-
-
-def guard_simulator_globals(module_globals: dict) -> None:
-    """Make a kernel module's globals safe for Numba's CUDA simulator (call at the end of the module).
-
-    The simulator runs every CUDA thread as a Python thread, and each call of a
-    device function iterates that function's module globals
-    (``swapped_cuda_module``). The first warning raised from code of a module
-    -- NumPy's "overflow in scalar multiply" from SplitMix64's uint64
-    arithmetic, wrapping as intended -- inserts ``__warningregistry__`` into
-    its globals, and a thread iterating them at that moment fails with
-    "dictionary changed size during iteration" (seen as a rare test failure
-    under load). Creating the registry up front leaves nothing to insert.
-    """
-    if SIMULATOR:
-        module_globals.setdefault("__warningregistry__", {})
 
 
 # ------------------------------------------------------------------- arrays
