@@ -20,6 +20,8 @@ import pytest
 import horovod_compress as hvdc
 from horovod_compress.compressors.greedylore import (
     GreedyLore,
+    current_error,
+    materialize_error,
     left_singular_vectors,
     probe_values,
     shared_probe_values,
@@ -31,6 +33,8 @@ from horovod_compress.compressors.lowrank_common import should_compress, top_ind
 from horovod_compress.compressors.powersgd import PowerSGD
 from horovod_compress.kernels.lowrank import (
     add_and_probe,
+    add_lowrank_and_probe,
+    pad_rank,
     project,
     reconstruct,
     reconstruct_and_subtract,
@@ -110,7 +114,7 @@ def case_greedylore_reference(comm, probe_mode="shared"):
             st = method.state[f"w{k}"]
             if cols is None:
                 svd_exact &= bool(np.array_equal(out, comm.allreduce(g, op="avg")))
-                svd_exact &= bool(not st["error"].any())
+                svd_exact &= bool(not current_error(st).any())
                 assert st["U"].shape == (min(est.shape),) * 2
             else:
                 cols_equal &= bool(np.array_equal(st["columns"], cols))
@@ -133,7 +137,7 @@ def case_greedylore_fast_paths(comm):
                     g = low_rank_gradient(shape, comm.rank, t, k, seed=4, dtype=dtype)
                     name = f"w{k}"
                     st = method.state.get(name)
-                    e_before = None if st is None or method.is_svd_step(t) else st["error"].copy()
+                    e_before = None if st is None or method.is_svd_step(t) else current_error(st)
                     if t % 2 == 0 and not method.is_svd_step(t):
                         st = method.state[name]
                         st["t"] = st.t + 1                  # what allreduce does before _reduce
@@ -244,18 +248,18 @@ def case_greedylore_error_feedback(comm):
         out = method.allreduce(g, "w", comm)
         st = method.state["w"]
         if method.is_svd_step(t):
-            reset_ok &= bool(not st["error"].any())
+            reset_ok &= bool(not current_error(st).any())
             reset_ok &= bool(np.array_equal(out, comm.allreduce(g, op="avg")))
         else:
             a = g + e_prev
             q = st["U"][:, st["columns"]]
             sent = q @ (q.T @ a)                       # this rank's contribution Q Q^T A_i
             worst_identity = max(worst_identity,
-                                 float(np.max(np.abs(a - (sent + st["error"])))) /
+                                 float(np.max(np.abs(a - (sent + current_error(st))))) /
                                  float(np.max(np.abs(a))))
             # the average of what the ranks sent is what every rank received
             sent_ok &= relative_error(out, _gathered_mean(comm, sent)) < 1e-5
-        e_prev = st["error"].copy()
+        e_prev = current_error(st)
     assert worst_identity < 1e-6 and reset_ok and sent_ok
     return {"worst_identity": worst_identity, "reset_ok": reset_ok, "sent_ok": sent_ok}
 
@@ -423,15 +427,15 @@ def case_nan_step(comm):
     a.set_nonfinite("skip")
     for g in grads[:2]:
         assert np.array_equal(a.allreduce(g, "w", comm), b.allreduce(g, "w", comm))
-    err, t = a.state["w"]["error"].copy(), a.state["w"].t
+    err, t = current_error(a.state["w"]), a.state["w"].t
     bad = grads[2].copy()
     if comm.rank == comm.size - 1:
         bad[5, 7] = np.nan
     a.allreduce(bad, "w", comm)
     assert a.last_step_skipped
-    assert np.array_equal(a.state["w"]["error"], err) and a.state["w"].t == t
+    assert np.array_equal(current_error(a.state["w"]), err) and a.state["w"].t == t
     assert np.array_equal(a.allreduce(grads[3], "w", comm), b.allreduce(grads[3], "w", comm))
-    assert np.array_equal(a.state["w"]["error"], b.state["w"]["error"])
+    assert np.array_equal(current_error(a.state["w"]), current_error(b.state["w"]))
     return True
 
 
@@ -593,6 +597,76 @@ def test_add_and_probe_kernel(dtype, probes):
     v2 = np.empty_like(v)
     add_and_probe(m_mat, err, xi, v2, err)       # in place
     assert np.array_equal(err, want_a) and np.allclose(v2, v, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("r", [1, 4, 5, 8, 9])
+@pytest.mark.parametrize("probes", [1, 2])
+def test_add_lowrank_and_probe_kernel(dtype, r, probes):
+    """dst = M + base - Q C (the error kept unevaluated) and v = dst xi, against float64."""
+    rng = np.random.default_rng(5)
+    m, n = 9, 37
+    m_mat, base = (rng.standard_normal((m, n)).astype(dtype) for _ in range(2))
+    q = rng.standard_normal((m, r)).astype(dtype)
+    c = rng.standard_normal((r, n)).astype(dtype)
+    xi = rng.standard_normal((probes, n)).astype(dtype)
+    qp, cp = pad_rank(q, c)
+    assert qp.shape[1] % 4 == 0 and cp.shape[0] == qp.shape[1]
+    assert np.array_equal(qp[:, :r], q) and np.array_equal(cp[:r], c) and not qp[:, r:].any() and not cp[r:].any()
+    dst, v = np.full_like(base, np.nan), np.empty((m, probes), dtype=dtype)
+    base_before = base.copy()
+    add_lowrank_and_probe(m_mat, base, qp, cp, xi, v, dst)
+    want = m_mat.astype(np.float64) + base - q.astype(np.float64) @ c
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    assert np.array_equal(base, base_before)
+    assert np.allclose(dst, want, rtol=tol, atol=tol * r)
+    assert np.allclose(v, want @ xi.T.astype(np.float64), rtol=tol, atol=tol * r * n)
+
+
+def test_pending_error_is_exact_and_materializes():
+    """After a fused step the state holds A_i and (Q, C_i): the error they stand for is
+    A_i - Q C_i (eq. 9b), materialize_error writes exactly that, and a step after
+    materializing gives the same result as one from the unevaluated form."""
+    from horovod_compress.mpi_collectives import Communicator
+    comm = Communicator()                       # one process: MPI.COMM_WORLD of size 1
+    rng = np.random.default_rng(6)
+    grads = [rng.standard_normal((12, 20)).astype(np.float32) for _ in range(4)]
+    a, b = GreedyLore(rank=3, period=50, seed=2), GreedyLore(rank=3, period=50, seed=2)
+    for g in grads[:3]:
+        assert np.array_equal(a.allreduce(g, "w", comm), b.allreduce(g, "w", comm))
+    st = a.state["w"]
+    assert {"error_q", "error_c"} <= set(st)
+    q, c_local = st["error_q"], st["error_c"]
+    assert np.allclose(c_local, q.T @ st["error"], rtol=1e-5, atol=1e-5)     # C_i = Q^T A_i
+    want = st["error"].astype(np.float64) - q.astype(np.float64) @ c_local
+    got = current_error(st)
+    assert np.allclose(got, want, atol=1e-6) and "error_q" in st               # current_error: no change
+    e = materialize_error(st)
+    assert "error_q" not in st and "error_c" not in st and e is st["error"]
+    assert np.allclose(e, want, atol=1e-6)
+    out_a, out_b = a.allreduce(grads[3], "w", comm), b.allreduce(grads[3], "w", comm)
+    assert np.allclose(out_a, out_b, rtol=1e-5, atol=1e-6)
+    assert np.allclose(current_error(a.state["w"]), current_error(b.state["w"]), atol=1e-5)
+
+
+def test_pending_error_survives_a_change_to_the_unfused_path():
+    """A float32 run whose state is then used by a float64 gradient (dtype mismatch: the
+    unfused path) evaluates the pending error first instead of reading A_i as the error."""
+    from horovod_compress.mpi_collectives import Communicator
+    comm = Communicator()                       # one process: MPI.COMM_WORLD of size 1
+    rng = np.random.default_rng(7)
+    meth = GreedyLore(rank=2, period=50, seed=1)
+    for _ in range(3):
+        meth.allreduce(rng.standard_normal((10, 16)).astype(np.float32), "w", comm)
+    st = meth.state["w"]
+    st["U"] = st["U"].astype(np.float64)          # keep the subspace, change the dtype
+    e_before = current_error(st).astype(np.float64)
+    g = rng.standard_normal((10, 16))
+    out = meth.allreduce(g, "w", comm)
+    a = g + e_before
+    q = st["U"][:, st["columns"]]
+    assert np.allclose(out, q @ (q.T @ a), atol=1e-5)
+    assert np.allclose(current_error(st), a - q @ (q.T @ a), atol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])

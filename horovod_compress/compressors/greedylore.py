@@ -79,16 +79,26 @@ Decisions where the paper leaves room (checked against its prose):
   :func:`_probe_says_finite`), so the gradient is not read once more for it.
   The scores are ``U^T v`` (one GEMV, a read of the m x m ``U``); (2)
   ``C_i = Q^T A_i``, ``A_i`` read once (:func:`..kernels.lowrank.project`
-  for ``r <= 4``, BLAS above); (3) ``Q C`` written and ``e_i = A_i - Q C_i``
-  computed in place in one sweep of the rows
-  (:func:`..kernels.lowrank.reconstruct_and_subtract`, ``r <= 5``; above
-  it, or for transposed tensors, :func:`..kernels.lowrank.reconstruct` or
-  BLAS and one in-place GEMM with ``beta = 1``, :func:`subtract_low_rank`);
-  the buffers then swap -- no m x n temporaries. The
+  for ``r <= 4``, BLAS above); (3) ``Q C`` written
+  (:func:`..kernels.lowrank.reconstruct` for ``r <= 5``, BLAS above). The
+  new error ``e_i = A_i - Q C_i`` (eq. 9b) is *not written*: the state
+  keeps ``A_i`` (``state["error"]``) and the factors ``Q``, ``C_i``
+  (``state["error_q"]``, ``state["error_c"]``), and the next step's first
+  pass computes ``A_{i+1} = M + A_i - Q C_i`` (:func:`..kernels.lowrank.add_lowrank_and_probe`,
+  the same bytes as before plus ``r`` multiply-adds per entry from cache).
+  That removes a read and a write of the m x n error per step.
+  :func:`current_error` evaluates the error, :func:`materialize_error` writes
+  it (the unfused path does so first); checkpoints keep all three arrays, so
+  a resumed run continues bit for bit. The buffers then swap -- no m x n
+  temporaries. (Without the fused first pass -- independent probes, other
+  layouts -- the error is written as before:
+  :func:`..kernels.lowrank.reconstruct_and_subtract` for ``r <= 5``, else
+  an in-place GEMM with ``beta = 1``, :func:`subtract_low_rank`.) The
   dense ``local = Q C_i`` of the ``_reduce`` protocol is built only when a
   caller asks for it; the framework's path (``_BuiltInFeedback``) does not,
   since the error is kept here. Compute: ``probes (m n + m^2)`` for the
-  scores and ``r m n`` each for ``C_i``, ``Q C`` and the error, against
+  scores and ``r m n`` each for ``C_i``, ``Q C`` and the error (applied in
+  the next step's first pass), against
   PowerSGD's ``3 r m n`` plus its feedback's two element-wise passes; no
   orthogonalization. Float results: ``C_i`` from ``project`` sums each
   entry over the rows in groups of four (fused multiply-adds) instead of
@@ -129,8 +139,10 @@ Tensors the min-compression-rate rule leaves dense, and vectors, are
 averaged with one dense allreduce (:mod:`.lowrank_common`).
 
 Per-tensor state (checkpointed): ``U`` (m x m), ``error`` (m x n, in the
-transposed orientation when the tensor was transposed), ``columns`` (the last
-selected ``I``) and ``svd_step`` (the step ``t`` of the last SVD).
+transposed orientation when the tensor was transposed; after a fused step
+``A_i``, with ``error_q`` (m x r) and ``error_c`` (r x n) such that the error is
+``error - error_q @ error_c``, see :func:`current_error`), ``columns`` (the
+last selected ``I``) and ``svd_step`` (the step ``t`` of the last SVD).
 """
 from __future__ import annotations
 
@@ -149,7 +161,14 @@ from .lowrank_common import (
     top_indices,
 )
 from ..feedback import Feedback
-from ..kernels.lowrank import add_and_probe, project, reconstruct, reconstruct_and_subtract
+from ..kernels.lowrank import (
+    add_and_probe,
+    add_lowrank_and_probe,
+    pad_rank,
+    project,
+    reconstruct,
+    reconstruct_and_subtract,
+)
 from ..params import check_choice, check_int
 from .registry import register
 
@@ -235,6 +254,53 @@ def _kernel_ready(*arrays: np.ndarray) -> bool:
     dt = arrays[0].dtype
     return dt in (np.float32, np.float64) and all(
         x.dtype == dt and x.ndim == 2 and x.flags.c_contiguous for x in arrays)
+
+
+def _pending_ready(state: TensorState, base: np.ndarray) -> bool:
+    """Whether a pending error ``base - Q C_i`` (if any) fits the fused first pass."""
+    if "error_q" not in state:
+        return True
+    q, c = state["error_q"], state["error_c"]
+    m, n = base.shape
+    return (q.ndim == 2 and c.ndim == 2 and q.shape[0] == m and c.shape == (q.shape[1], n)
+            and q.dtype == c.dtype == base.dtype)
+
+
+def _drop_pending_error(state: TensorState) -> None:
+    state.pop("error_q", None)
+    state.pop("error_c", None)
+
+
+def current_error(state: TensorState) -> np.ndarray | None:
+    """The error ``e_i`` (eq. 9b) of a tensor's state, as a new array; ``None`` if it has none.
+
+    After a fused step the state keeps ``e_i = A_i - Q C_i`` unevaluated:
+    ``state["error"]`` holds ``A_i`` and ``state["error_q"]``,
+    ``state["error_c"]`` hold ``Q`` (m x r) and ``C_i = Q^T A_i`` (r x n);
+    this evaluates it without changing the state. Both forms are exact
+    checkpoints (``state_dict`` saves all three arrays).
+    """
+    e = state.get("error")
+    if e is None:
+        return None
+    if "error_q" in state:
+        return e - state["error_q"] @ state["error_c"]
+    return np.array(e, copy=True)
+
+
+def materialize_error(state: TensorState) -> np.ndarray:
+    """Evaluate a pending ``e_i = A_i - Q C_i`` into ``state["error"]`` (in place when it can)."""
+    e = state["error"]
+    if "error_q" in state:
+        q, c = state["error_q"], state["error_c"]
+        if (e.flags.c_contiguous and e.flags.writeable and e.dtype in (np.float32, np.float64)
+                and q.dtype == c.dtype == e.dtype):
+            e = subtract_low_rank(e, q, c)
+        else:
+            e = e - q @ c
+        state["error"] = e
+        _drop_pending_error(state)
+    return e
 
 
 class _BuiltInFeedback(Feedback):
@@ -335,26 +401,34 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
                 g = comm.allreduce(np.ascontiguousarray(m_mat), op="avg")
             state["U"] = left_singular_vectors(g)
             state["error"] = np.zeros_like(g)
+            _drop_pending_error(state)
             state["columns"] = np.arange(0, dtype=np.int64)
             state["svd_step"] = state.t
             avg = g.T if transposed else g
             return np.ascontiguousarray(avg).reshape(x.shape), x
 
         # A_i = M_i + e_i (eq. 9a). Fused path: into the spare error buffer (the error is left
-        # as it was until the NaN/Inf agreement passes), with v = A_i xi in the same pass.
+        # as it was until the NaN/Inf agreement passes), with v = A_i xi in the same pass; an
+        # error kept as base - Q C_i (see below) is applied in that same pass.
         e = state.get("error")
         has_error = self.error_feedback and e is not None and e.shape == (m, n)
         xi = self.probes_for(name, state.t, m, n, m_mat.dtype)
         fused = (has_error and self.probe_mode == "shared" and e.dtype == m_mat.dtype
-                 and e.flags.c_contiguous and _kernel_ready(m_mat, e, xi))
+                 and e.flags.c_contiguous and _kernel_ready(m_mat, e, xi)
+                 and _pending_ready(state, e))
         if fused:
             a = self._spare_error(name, e)
             v = np.empty((m, self.probes), dtype=m_mat.dtype)
-            add_and_probe(m_mat, e, xi, v, a)
+            if "error_q" in state:
+                add_lowrank_and_probe(m_mat, e, *pad_rank(state["error_q"], state["error_c"]), xi, v, a)
+            else:
+                add_and_probe(m_mat, e, xi, v, a)
             self._pass_finite_gate(_probe_says_finite(v, m_mat))
             owned, vals = True, u.T @ v
         else:
             self._pass_finite_gate()
+            if has_error:
+                e = materialize_error(state)
             in_place = has_error and e.dtype == m_mat.dtype and e.flags.c_contiguous \
                 and e.flags.writeable
             if in_place:
@@ -373,6 +447,14 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
         with comm.phase("greedylore.projection"):
             c = np.ascontiguousarray(comm.allreduce(c_local, op="avg"))
         local = self._low_rank(q, c_local, transposed) if want_local else None
+        if fused:
+            # e_i = A_i - Q C_i (eq. 9b) is not written: it is kept as A_i and the factors
+            # (Q, C_i), and the next step's first pass applies them (add_lowrank_and_probe).
+            avg = self._low_rank(q, c, transposed)        # Q C (eq. 10), in x's orientation
+            self._spare_errors()[name] = e                # the old base is the next spare
+            state["error"], state["error_q"], state["error_c"] = a, q, c_local
+            state["columns"] = cols.astype(np.int64)
+            return avg.reshape(x.shape), (None if local is None else local.reshape(x.shape))
         if (self.error_feedback and owned and not transposed and q.shape[1] <= KERNEL_MAX_RANK
                 and _kernel_ready(q, c, c_local, a)):
             # Q C (eq. 10) and e_i = A_i - Q C_i (eq. 9b) in one sweep of the rows
@@ -388,8 +470,6 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
                 else:
                     new_error = a - q @ c_local
         if new_error is not None:
-            if fused:                                     # the old error is the next spare
-                self._spare_errors()[name] = e
             state["error"] = new_error
         state["columns"] = cols.astype(np.int64)
         return avg.reshape(x.shape), (None if local is None else local.reshape(x.shape))

@@ -11,6 +11,11 @@ touches the ``m x n`` matrices of a step in three places:
 * after the projection allreduce: the estimate ``Q C`` (eq. 10) and the new
   error ``e_i = A_i - Q Q^T A_i = A_i - Q C_i`` (eq. 9b, ``C_i = Q^T A_i``).
 
+The error need not be written at all: kept as ``A_i`` and the factors
+``(Q, C_i)``, it is applied where it is next read, in the first pass of the
+next step (:func:`add_lowrank_and_probe`), which streams the same bytes as
+:func:`add_and_probe`.
+
 Written with NumPy the first is two passes over the ``m n`` numbers (add,
 then GEMV); :func:`add_and_probe` is one, row by row, with the first probe's
 dot product in the addition's loop. :func:`project` reads ``A_i`` for
@@ -65,6 +70,74 @@ def add_and_probe(mat: np.ndarray, err: np.ndarray, xi: np.ndarray, out: np.ndar
             for j in range(n):
                 acc += row[j] * p[j]
             out[i, k] = acc
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def add_lowrank_and_probe(mat: np.ndarray, base: np.ndarray, q: np.ndarray, c: np.ndarray,
+                          xi: np.ndarray, out: np.ndarray, dst: np.ndarray) -> None:
+    """``dst = mat + base - q @ c`` and ``out[:, k] = dst xi[k]`` in one pass.
+
+    GreedyLore's ``A_i = M_i + e_i`` (eq. 9a) when the error is kept as
+    ``e_i = base - Q C_i`` (``base`` the previous ``A_i``, ``q`` m x r the
+    previous ``Q``, ``c`` r x n the previous ``C_i = Q^T A_i``; eq. 9b): the
+    previous step then never wrote the error, and this pass, which reads
+    ``base`` where :func:`add_and_probe` reads ``e``, applies the rank-r
+    correction from cache (``c``'s rows) in registers. ``r`` must be a
+    multiple of 4 (pad ``q`` and ``c`` with zero columns and rows: exact);
+    each further block of four rank terms sweeps the row again in L1. ``dst``
+    must not overlap ``base``. ``xi``: (probes, n); ``out``: (m, probes);
+    dot products in float64.
+    """
+    m, n = dst.shape
+    r = q.shape[1]
+    probes = xi.shape[0]
+    p0 = xi[0]
+    for i in range(m):
+        row = dst[i]
+        b = base[i]
+        src = mat[i]
+        acc = 0.0
+        for k in range(0, r, 4):
+            w0, w1, w2, w3 = q[i, k], q[i, k + 1], q[i, k + 2], q[i, k + 3]
+            c0, c1, c2, c3 = c[k], c[k + 1], c[k + 2], c[k + 3]
+            first, last = k == 0, k + 4 >= r
+            if first and last:
+                for j in range(n):
+                    t = b[j] + src[j] - (w0 * c0[j] + w1 * c1[j] + w2 * c2[j] + w3 * c3[j])
+                    row[j] = t
+                    acc += t * p0[j]
+            elif first:
+                for j in range(n):
+                    row[j] = b[j] + src[j] - (w0 * c0[j] + w1 * c1[j] + w2 * c2[j] + w3 * c3[j])
+            elif last:
+                for j in range(n):
+                    t = row[j] - (w0 * c0[j] + w1 * c1[j] + w2 * c2[j] + w3 * c3[j])
+                    row[j] = t
+                    acc += t * p0[j]
+            else:
+                for j in range(n):
+                    row[j] -= w0 * c0[j] + w1 * c1[j] + w2 * c2[j] + w3 * c3[j]
+        out[i, 0] = acc
+        for k in range(1, probes):
+            p = xi[k]
+            acc = 0.0
+            for j in range(n):
+                acc += row[j] * p[j]
+            out[i, k] = acc
+
+
+def pad_rank(q: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``q`` (m x r) and ``c`` (r x n) padded with zero columns / rows to a multiple of 4
+    (``q @ c`` unchanged), C-contiguous, for :func:`add_lowrank_and_probe`."""
+    r = q.shape[1]
+    r4 = -(-r // 4) * 4
+    if r4 == r:
+        return np.ascontiguousarray(q), np.ascontiguousarray(c)
+    qp = np.zeros((q.shape[0], r4), dtype=q.dtype)
+    cp = np.zeros((r4, c.shape[1]), dtype=c.dtype)
+    qp[:, :r] = q
+    cp[:r] = c
+    return qp, cp
 
 
 @njit(cache=True, fastmath=_FLAGS)
