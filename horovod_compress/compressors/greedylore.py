@@ -400,7 +400,7 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
             with comm.phase("greedylore.svd"):
                 g = comm.allreduce(np.ascontiguousarray(m_mat), op="avg")
             state["U"] = left_singular_vectors(g)
-            state["error"] = np.zeros_like(g)
+            state["error"] = self._zeroed_error(name, state.get("error"), g)
             _drop_pending_error(state)
             state["columns"] = np.arange(0, dtype=np.int64)
             state["svd_step"] = state.t
@@ -473,6 +473,25 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
             state["error"] = new_error
         state["columns"] = cols.astype(np.int64)
         return avg.reshape(x.shape), (None if local is None else local.reshape(x.shape))
+
+    def _zeroed_error(self, name: str, old: np.ndarray | None, like: np.ndarray) -> np.ndarray:
+        """The error reset of an SVD step (``e_i = 0``), in buffers whose pages are already mapped.
+
+        Reuses the old error array when it fits, and writes zeros into it and
+        into the spare buffer now: a fresh ``np.zeros`` is mapped lazily, so
+        the first ordinary steps after every SVD step would each take the
+        page faults of a new 16 MB array (2000 x 2000 float32) in their first
+        pass; here the SVD step, which costs a second anyway, takes them.
+        """
+        if (old is not None and old.shape == like.shape and old.dtype == like.dtype
+                and old.flags.writeable and old.flags.c_contiguous):
+            e = old
+        else:
+            e = np.empty(like.shape, dtype=like.dtype)
+        e.fill(0)
+        if self.error_feedback and self.probe_mode == "shared":
+            self._spare_error(name, e).fill(0)
+        return e
 
     def _spare_errors(self) -> dict[str, np.ndarray]:
         """Tensor name -> its spare error buffer (:meth:`_spare_error`)."""
