@@ -63,8 +63,10 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
                    help="'all' or comma-separated names; name:{json} sets parameters, e.g. "
                         "'powersgd:{\"rank\":4}'")
     p.add_argument("--model", default="transformer", choices=("transformer", "matrix2000", "tiny"))
-    p.add_argument("--steps", type=int, default=3, help="measured steps per method (median reported)")
-    p.add_argument("--warm", type=int, default=1, help="untimed steps first")
+    p.add_argument("--steps", type=int, default=5, help="measured steps per method (median reported)")
+    p.add_argument("--warm", type=int, default=3,
+                   help="untimed steps first (default 3: a method's first steps load its compiled kernels "
+                        "and map its buffers, and GreedyLore's first step is its SVD step)")
     p.add_argument("--out", default="benchmarks", help="directory for the results")
     p.add_argument("--name", default="e2e", help="file stem of the results")
     p.add_argument("--no-cluster", action="store_true", help="run on shared memory (no namespaces, no shaping)")
@@ -175,6 +177,12 @@ def run(args: argparse.Namespace) -> int:
             values = [old[key] for old in olds if key in old]
             if values:
                 report[key] = values[0] if len(set(values)) == 1 else "; ".join(dict.fromkeys(values))
+        for key in ("warm", "steps"):                 # the runs' own, not this command's defaults
+            values = {old[key] for old in olds if key in old}
+            if len(values) == 1 and all(key in old for old in olds):
+                report[key] = values.pop()
+            else:
+                report.pop(key, None)
         report["failed_runs"] = [f for old in olds for f in old.get("failed_runs", [])]
         if all("namespaces_left" in old for old in olds):   # the runs' own teardown check
             report["namespaces_left"] = [n for old in olds for n in old["namespaces_left"]]
@@ -397,6 +405,7 @@ def analyse(runs: list[dict[str, Any]], args: argparse.Namespace | None = None) 
         "versions": f"Python {platform.python_version()}, torch {torch.__version__}, NumPy {np.__version__}, "
                     f"{MPI.Get_library_version().replace(chr(0), '').splitlines()[0].strip()}",
         "commit": _commit(),
+        **({"warm": args.warm, "steps": args.steps} if args is not None and hasattr(args, "warm") else {}),
         "model": runs[0]["model"] if runs else None,
         "runs": runs,
     }
@@ -471,8 +480,10 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
              f"Model `{first['model']}`: {first['parameters'] / 1e6:.2f}M parameters in {first['tensors']} tensors, "
              f"synthetic inputs. One rank per emulated host, {first['threads_per_rank']} thread(s) per rank "
              f"(the machine's cores shared out), `overlap=False` so the parts add up, warm-up steps off "
-             f"(they are dense steps). Each figure is the median of the measured steps; speedup = dense step "
-             f"time / method step time, measured in the same run.", ""]
+             f"(they are dense steps). Each figure is the median of the measured steps"
+             + (f" ({report['steps']} per method, after {report['warm']} untimed ones)"
+                if "steps" in report and "warm" in report else "")
+             + "; speedup = dense step time / method step time, measured in the same run.", ""]
     lines += ["## What the links carry", "",
               "A 16 MiB message per collective and a ring shift of 16 MiB point to point (also the transport of "
               "the methods' pipelined ring), each after a burst of CPU work that leaves the links idle as a step's "
