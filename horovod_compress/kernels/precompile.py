@@ -71,6 +71,7 @@ def warm(steps: int = 3, verbose: bool = True) -> float:
 
 
 def main() -> None:
+    """Warm the cache on this process's ``MPI.COMM_WORLD`` and report the time on rank 0."""
     seconds = warm()
     from mpi4py import MPI
     if MPI.COMM_WORLD.rank == 0:
