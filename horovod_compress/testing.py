@@ -396,3 +396,20 @@ def _jsonable(obj: Any) -> Any:
 
 if __name__ == "__main__":
     _worker_main(sys.argv[1:])
+
+
+def simulator_check_results(script: Union[str, Path], timeout: float) -> dict[str, str]:
+    """Run a test file's checks under Numba's CUDA simulator, in a subprocess; their results.
+
+    ``NUMBA_ENABLE_CUDASIM=1`` must be set before Numba is imported, so such a
+    file runs its checks when executed as a script and prints
+    ``{check name: "ok" | traceback}`` as JSON on its last line. Raises
+    ``AssertionError`` with the end of its output when the process fails.
+    """
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONHASHSEED="0")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=Path(script).resolve().parent.parent)
+    if proc.returncode != 0:
+        raise AssertionError(f"simulator run failed (exit {proc.returncode})\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -365,12 +364,8 @@ def _main(names: list[str]) -> None:
 # ------------------------------------------------------------------------------- tests
 @pytest.fixture(scope="module")
 def simulator_results() -> dict[str, str]:
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONHASHSEED="0")
-    proc = subprocess.run([sys.executable, __file__], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=Path(__file__).parent.parent)
-    if proc.returncode != 0:
-        pytest.fail(f"simulator run failed (exit {proc.returncode})\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    from horovod_compress.testing import simulator_check_results
+    return simulator_check_results(__file__, timeout=600)
 
 
 @pytest.mark.parametrize("check", CHECKS)
