@@ -452,10 +452,9 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
             # (Q, C_i), and the next step's first pass applies them (add_lowrank_and_probe).
             avg = self._low_rank(q, c, transposed)        # Q C (eq. 10), in x's orientation
             self._spare_errors()[name] = e                # the old base is the next spare
-            state["error"], state["error_q"], state["error_c"] = a, q, c_local
-            state["columns"] = cols.astype(np.int64)
-            return avg.reshape(x.shape), (None if local is None else local.reshape(x.shape))
-        if (self.error_feedback and owned and not transposed and q.shape[1] <= KERNEL_MAX_RANK
+            state["error_q"], state["error_c"] = q, c_local
+            new_error = a
+        elif (self.error_feedback and owned and not transposed and q.shape[1] <= KERNEL_MAX_RANK
                 and _kernel_ready(q, c, c_local, a)):
             # Q C (eq. 10) and e_i = A_i - Q C_i (eq. 9b) in one sweep of the rows
             avg = np.empty((m, n), dtype=a.dtype)
