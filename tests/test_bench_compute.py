@@ -35,8 +35,12 @@ def test_compute_reports_each_p_against_memcpy_and_dense(tmp_path: Path) -> None
         assert run_["memcpy_s"] > 0 and run_["dense_s"] > 0
         assert [r["method"] for r in run_["rows"]] == ["topk:density=0.05", "fp16",
                                                        "powersgd:rank=2"]
+        assert run_["shared_window"]["policy"] == "auto"
+        assert run_["shared_window"]["used"] is (run_["P"] > 1 and (os.cpu_count() or 1) >= 2)
         for r in run_["rows"]:
             assert 0 < r["s"] and r["compute_s"] <= r["s"] * 1.0001
+            # each method against the memcpy and dense allreduce timed alongside its calls
+            assert r["memcpy_s"] > 0 and r["dense_s"] > 0
     # bytes are the methods' own counts: fp16 sends half of a float32 ring allreduce at P = 2
     fp16 = report["runs"][1]["rows"][1]
     assert fp16["sent_bytes"] == pytest.approx(2 * 64 * 50 * 2 * (2 - 1) / 2)
@@ -44,4 +48,8 @@ def test_compute_reports_each_p_against_memcpy_and_dense(tmp_path: Path) -> None
     text = stem.with_suffix(".md").read_text()
     assert text == render_markdown(report, "compute.png")
     assert "## P = 2" in text and "| fp16 |" in text and "<= 1 |" in text
+    assert "dense ms |" in text
+    row = next(r for r in report["runs"][1]["rows"] if r["method"] == "fp16")
+    assert f"| fp16 | {1e3 * row['s']:.2f} | {row['s'] / row['memcpy_s']:.1f} | " \
+           f"{row['s'] / row['dense_s']:.2f} |" in text
     assert stem.with_suffix(".png").stat().st_size > 0

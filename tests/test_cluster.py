@@ -168,6 +168,9 @@ def case_topk_across_hosts(comm):
     from horovod_compress.kernels.halfprec import add16_range, decode16, encode16
     from horovod_compress.mpi_collectives.reduce_ops import NETWORK_RING_PIECES, ring_piece_sizes
     assert ring_piece_sizes(comm, (1 << 20, 1 << 18)) == NETWORK_RING_PIECES   # two nodes to MPI
+    from horovod_compress.mpi_collectives.shared_window import use_shared_window
+    os.environ["HVDC_SHARED_WINDOW"] = "on"        # even when asked for: no window between hosts
+    assert not use_shared_window(comm)
     halves = [np.random.default_rng(200 + r).standard_normal(300_000).astype(np.float32)
               for r in range(comm.size)]
     words = [encode16(g, "fp16", scale=1.0 / comm.size) for g in halves]

@@ -1,7 +1,10 @@
-"""fp16/bf16 through the pipelined ring (``_HalfPrecision._reduce_ring``) on real MPI ranks.
+"""fp16/bf16 through the pipelined ring (``_HalfPrecision._reduce_ring``) and through the
+node-wide shared-memory window (``_HalfPrecision._reduce_window``) on real MPI ranks.
 
 The cases below run on every rank (this file is also the case module of
-``run_cases``); the tests check, at P = 2, 3, 4:
+``run_cases``); the tests check, at P = 2, 3, 4 and for both transports
+(``HVDC_SHARED_WINDOW=off``: the ring; ``on``: the window, which these
+single-node runs can always take):
 
 * the ring's sum equals the chain the ring computes by construction -- block j
   (``block_counts(n, P)`` words) folded as round16(...round16(q_{j+1} + q_{j+2})
@@ -15,6 +18,7 @@ The cases below run on every rank (this file is also the case module of
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +46,30 @@ def _chain(words: np.ndarray, kind: str) -> np.ndarray:
     return out
 
 
+TRANSPORTS = ("off", "on")   # HVDC_SHARED_WINDOW: the ring, the shared-memory window
+
+
+def _transport(value: str) -> None:
+    """Select the ring or the window for the calls that follow (every rank sets the same)."""
+    os.environ["HVDC_SHARED_WINDOW"] = value
+
+
+def _window_of(comm: Any, key: str, nbytes: int) -> bool:
+    """Whether the last call on tensor ``key`` went through a shared window of ``nbytes``."""
+    from horovod_compress.mpi_collectives import shared_window
+    win = shared_window._WINDOWS.get((id(comm.comm), key))
+    return win is not None and win.nbytes == nbytes
+
+
 def case_ring_matches_chain(comm: Any) -> dict[str, Any]:
     from horovod_compress.compressors.registry import create
     from horovod_compress.kernels.halfprec import decode16, encode16
 
     results: dict[str, Any] = {}
     rng = np.random.default_rng(100 + comm.rank)
-    for kind in ("fp16", "bf16"):
-        for n in (1, 7, 4097, 100_003, 1_000_000):
+    for transport, kind, n in ((t, k, n) for t in TRANSPORTS for k in ("fp16", "bf16")
+                               for n in (1, 7, 4097, 100_003, 1_000_000)):
+            _transport(transport)
             x = (rng.standard_normal(n) * rng.choice([1e-6, 1.0, 300.0], size=n)).astype(np.float32)
             m = create(kind)
             m.ring_min_bytes = 0                     # the ring even for tiny payloads
@@ -74,7 +94,8 @@ def case_ring_matches_chain(comm: Any) -> dict[str, Any]:
             fb.allreduce(x, "h", comm)
             resid = fb.state["h"]["fb_residual"]
             local_ok = bool(np.array_equal(resid, x - decode16(words, kind, scale=comm.size)))
-            results[f"{kind}/{n}"] = {
+            results[f"{transport}/{kind}/{n}"] = {
+                "window": _window_of(comm, f"{kind}:g", 2 * n),
                 "chain": bool(np.array_equal(avg.view(np.uint32), chain.view(np.uint32))),
                 "same_on_ranks": bool((all_avg.view(np.uint32) == avg.view(np.uint32)).all()),
                 "mpi_equal": bool(np.array_equal(avg.view(np.uint32), ref_mpi.view(np.uint32))),
@@ -92,7 +113,8 @@ def case_nonfinite_policies(comm: Any) -> dict[str, Any]:
     from horovod_compress.compressors.registry import create
 
     res: dict[str, Any] = {}
-    for kind in ("fp16", "bf16"):
+    for transport, kind in ((t, k) for t in TRANSPORTS for k in ("fp16", "bf16")):
+        _transport(transport)
         for policy in ("skip", "propagate", "raise"):
             runs = []
             for defer in (True, False):
@@ -115,7 +137,7 @@ def case_nonfinite_policies(comm: Any) -> dict[str, Any]:
                         outs.append(str(exc))
                 runs.append((outs, m.skipped_steps))
             (a, sa), (b, sb) = runs
-            res[f"{kind}/{policy}"] = {
+            res[f"{transport}/{kind}/{policy}"] = {
                 "same": all((isinstance(u, str) and u == v) or
                             (not isinstance(u, str) and not isinstance(v, str) and np.array_equal(u, v))
                             for u, v in zip(a, b)),
@@ -141,6 +163,8 @@ def test_ring_sum_is_the_chain_on_every_rank(world):
             assert r["chain"], (p, rank, key)
             assert r["same_on_ranks"], (p, rank, key)
             assert r["local"], (p, rank, key)
+            # the window ran exactly where asked for (a 1-word payload opens a window too)
+            assert r["window"] == (p > 1 and key.startswith("on/")), (p, rank, key)
             if p == 2:   # one addition: MPI's operator made the same one
                 assert r["mpi_equal"], (p, rank, key)
 

@@ -12,6 +12,15 @@ are dense allreduces; Ok-Topk's default is 32), and in the same run:
 * a memcpy of the gradient (``np.copyto``): the floor of any pass over it;
 * a dense float32 allreduce (``Communicator.allreduce(x, "avg")``).
 
+Drift of the shared machine is kept out of the ratios: every timed call of a
+method is preceded by a memcpy and a dense allreduce timed the same way, and
+the method's x memcpy and x dense are taken against the medians of *those*
+(``memcpy_s``/``dense_s`` of its row); the P header gives the medians over all
+of them. On one node the 16-bit sums, Global-QSGD's 8-bit sum and ARC-Top-K's
+rows go through the shared-memory window when each rank has a core of its own
+(``HVDC_SHARED_WINDOW``, :mod:`horovod_compress.mpi_collectives.shared_window`);
+the report says which transport each P used.
+
 Each call is split by :meth:`Communicator.timings` into the seconds spent
 *inside MPI* (communication; waiting for slower ranks and user-defined
 reduction operators -- fp16/bf16 sums, Global-QSGD's exponential sum -- run
@@ -157,46 +166,70 @@ def _worker(args: argparse.Namespace) -> None:
     grad = np.random.default_rng(1234 + comm.rank).standard_normal(shape).astype(np.float32)
     dst = np.empty_like(grad)
 
-    def timed(fn: Any) -> dict[str, float]:
+    def timed(fn: Any, *baselines: Any) -> list[dict[str, float]]:
+        """Medians for ``fn`` and each of ``baselines``, every timed call of ``fn`` preceded by
+        one of each baseline (so all see the same state of the machine)."""
         for _ in range(args.warmup):
-            fn()
-        totals, computes = [], []
+            for f in (*baselines, fn):
+                f()
+        samples: list[tuple[list[float], list[float]]] = [([], []) for _ in range(1 + len(baselines))]
         for _ in range(args.repeat):
-            comm.comm.Barrier()
-            inside0 = comm.timings()["total"]
-            t0 = time.perf_counter()
-            fn()
-            dt = time.perf_counter() - t0
-            compute = dt - (comm.timings()["total"] - inside0)
-            totals.append(comm.comm.allreduce(dt, op=MPI.MAX))
-            computes.append(comm.comm.allreduce(compute, op=MPI.MAX))
-        return {"s": float(np.median(totals)), "compute_s": float(np.median(computes))}
+            for k, f in enumerate((*baselines, fn)):
+                comm.comm.Barrier()
+                inside0 = comm.timings()["total"]
+                t0 = time.perf_counter()
+                f()
+                dt = time.perf_counter() - t0
+                compute = dt - (comm.timings()["total"] - inside0)
+                samples[k][0].append(comm.comm.allreduce(dt, op=MPI.MAX))
+                samples[k][1].append(comm.comm.allreduce(compute, op=MPI.MAX))
+        order = [len(baselines), *range(len(baselines))]     # fn first, then the baselines
+        return [{"s": float(np.median(samples[k][0])), "compute_s": float(np.median(samples[k][1])),
+                 "samples": samples[k][0]} for k in order]
 
-    memcpy = timed(lambda: np.copyto(dst, grad))
-    dense = timed(lambda: comm.allreduce(grad, op="avg"))
+    def copy() -> None:
+        np.copyto(dst, grad)
+
+    def dense_allreduce() -> None:
+        comm.allreduce(grad, op="avg")
+
     rows = []
+    memcpy_all: list[float] = []
+    dense_all: list[float] = []
+    dense_compute: list[float] = []
     for spec in method_specs(args.methods):
         name, params = parse_spec(spec)
         method = create(name, **params)
         if getattr(method, "warmup_steps", 0) and "warmup_steps" not in params:
             method = create(name, **{**params, "warmup_steps": 0})   # warm-up steps are dense
-        t = timed(lambda: method.allreduce(grad, "g", comm))
+        t, mem, den = timed(lambda: method.allreduce(grad, "g", comm), copy, dense_allreduce)
+        memcpy_all += mem["samples"]
+        dense_all += den["samples"]
+        dense_compute.append(den["compute_s"])
         comm.reset_stats()
         method.allreduce(grad, "g", comm)
         sent = float(comm.stats()["sent"])
         rows.append({"method": spec, "params": method.params(), "s": t["s"],
-                     "compute_s": t["compute_s"], "sent_bytes": sent})
+                     "compute_s": t["compute_s"], "sent_bytes": sent,
+                     "memcpy_s": mem["s"], "dense_s": den["s"]})
+    from ..mpi_collectives.shared_window import shared_window_policy, use_shared_window
+    window_used = use_shared_window(comm)     # on every rank: its first call is a collective
     if comm.rank == 0:
         Path(args.worker_json).write_text(json.dumps({
             "P": comm.size, "threads_per_rank": int(os.environ.get("NUMBA_NUM_THREADS", "0") or 0),
-            "memcpy_s": memcpy["s"], "dense_s": dense["s"], "dense_compute_s": dense["compute_s"],
+            "memcpy_s": float(np.median(memcpy_all)) if memcpy_all else float("nan"),
+            "dense_s": float(np.median(dense_all)) if dense_all else float("nan"),
+            "dense_compute_s": float(np.median(dense_compute)) if dense_compute else float("nan"),
+            "shared_window": {"policy": shared_window_policy(), "used": window_used},
             "grad_bytes": int(grad.nbytes), "rows": rows}))
 
 
 def _ratio_rows(run_: dict[str, Any]) -> list[dict[str, Any]]:
-    memcpy, dense = run_["memcpy_s"], run_["dense_s"]
+    """Each row with its ratios: against the memcpy and dense allreduce timed alongside its
+    own calls (reports before they were interleaved: against the run's one measurement)."""
     out = []
     for r in run_["rows"]:
+        memcpy, dense = r.get("memcpy_s", run_["memcpy_s"]), r.get("dense_s", run_["dense_s"])
         comp = max(r["compute_s"], 0.0)
         out.append({**r, "x_memcpy": r["s"] / memcpy, "x_dense": r["s"] / dense,
                     "compute_x_memcpy": comp / memcpy, "comm_s": max(r["s"] - comp, 0.0)})
@@ -218,16 +251,29 @@ def render_markdown(report: dict[str, Any], plot_name: str | None = None) -> str
         "untimed ones, each the slowest rank's time. *Compute* is the time outside MPI "
         "(error feedback, compression, decompression; the largest over ranks), *comm* the "
         "rest (inside MPI, including waiting and user-defined reduction operators). "
-        "Memcpy and the dense float32 allreduce are measured in the same run.",
+        "Memcpy and the dense float32 allreduce are measured in the same run" +
+        (", one of each before every timed call of a method: a row's x memcpy and x dense are "
+         "against those (its *dense ms* column), the header's figures are the medians over all."
+         if any("dense_s" in r for run_ in report["runs"] for r in run_["rows"]) else "."),
         ""]
     for run_ in report["runs"]:
         p = run_["P"]
+        window = run_.get("shared_window")
+        transport = "" if window is None or p == 1 else (
+            " 16-bit, Global-QSGD and ARC-Top-K row sums through the shared-memory window "
+            f"(`HVDC_SHARED_WINDOW={window['policy']}`)." if window["used"] else
+            f" Reduce-once sums on the pipelined ring (`HVDC_SHARED_WINDOW={window['policy']}`"
+            "; the window needs a core per rank under `auto`).")
         lines += [f"## P = {p}", "",
                   f"memcpy of the gradient {1e3 * run_['memcpy_s']:.2f} ms; dense allreduce "
-                  f"{1e3 * run_['dense_s']:.2f} ms ({run_['dense_s'] / run_['memcpy_s']:.1f}x memcpy).",
-                  ""]
+                  f"{1e3 * run_['dense_s']:.2f} ms ({run_['dense_s'] / run_['memcpy_s']:.1f}x memcpy)."
+                  + transport, ""]
+        paired = any("dense_s" in r for r in run_["rows"])
         header = "| method | ms | x memcpy | x dense | compute ms | compute x memcpy | comm ms |"
         sep = "|---|---:|---:|---:|---:|---:|---:|"
+        if paired:
+            header += " dense ms |"
+            sep += "---:|"
         if p == 2:
             header += " target x dense | met |"
             sep += "---:|---|"
@@ -236,6 +282,8 @@ def render_markdown(report: dict[str, Any], plot_name: str | None = None) -> str
             row = (f"| {r['method']} | {1e3 * r['s']:.2f} | {r['x_memcpy']:.1f} | "
                    f"{r['x_dense']:.2f} | {1e3 * r['compute_s']:.2f} | "
                    f"{r['compute_x_memcpy']:.1f} | {1e3 * r['comm_s']:.2f} |")
+            if paired:
+                row += f" {1e3 * r.get('dense_s', run_['dense_s']):.2f} |"
             if p == 2:
                 target = TARGET_X_DENSE.get(parse_spec(r["method"])[0])
                 met = "" if target is None else ("yes" if r["x_dense"] <= target else "no")
@@ -270,7 +318,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
     width = 0.8 / max(len(runs), 1)
     x = np.arange(len(methods))
     for i, run_ in enumerate(runs):
-        by = {r["method"]: r["s"] / run_["dense_s"] for r in run_["rows"]}
+        by = {r["method"]: r["s"] / r.get("dense_s", run_["dense_s"]) for r in run_["rows"]}
         ax.bar(x + i * width, [by.get(m, np.nan) for m in methods], width, label=f"P = {run_['P']}")
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")

@@ -295,13 +295,45 @@ class ArcTopK(Method):
         with comm.phase("arc_sketch"):
             sketch = comm.allreduce(local_sketch, op="avg")   # m x r words
         rows = self.select_rows(sketch, plan.k)
-        msg = self._scratch_buffers(name, 1, plan.k * plan.n, x.dtype)[0].reshape(plan.k, plan.n)
+        msg = self._rows_message(name, comm, plan.k, plan.n, x.dtype)
         take_rows(x if h is None else h, g, rows, msg)        # d[I, :], and (11b) on rows I
         with comm.phase("arc_rows"):
-            total = comm.allreduce(msg, op="sum")             # K x n words, no indices
+            total = self._rows_sum(msg, name, comm)           # K x n words, no indices
         state["rows"] = rows.astype(np.int32)                 # diagnostics (same on every rank)
         total = np.ascontiguousarray(total, dtype=x.dtype).reshape(plan.k, plan.n)
         return apply_rows_copy(big_g, rows, total, comm.size).reshape(x.shape)
+
+    #: Row messages of at least this many bytes take the shared-memory window when every rank
+    #: shares one node (:meth:`_rows_sum`).
+    window_min_bytes: int = 1 << 16
+
+    def _rows_window(self, comm: Any, nbytes: int) -> bool:
+        """Whether the rows' sum goes through the shared-memory window: every rank shares this
+        node (:func:`~horovod_compress.mpi_collectives.shared_window.use_shared_window`) and
+        the message has at least :attr:`window_min_bytes`."""
+        from ..mpi_collectives.shared_window import use_shared_window
+        return nbytes >= self.window_min_bytes and use_shared_window(comm)
+
+    def _rows_message(self, name: str, comm: Any, k: int, n: int, dtype: Any) -> np.ndarray:
+        """The K x n buffer the rows' message is gathered into: this rank's segment of the
+        window when :meth:`_rows_window` (nothing is copied in), else a reused scratch buffer."""
+        if self._rows_window(comm, k * n * np.dtype(dtype).itemsize):
+            from ..mpi_collectives.shared_window import window_message
+            msg = window_message(comm, f"arc_rows:{name}", (k, n), dtype)
+            if msg is not None:
+                return msg
+        return self._scratch_buffers(name, 1, k * n, dtype)[0].reshape(k, n)
+
+    def _rows_sum(self, msg: np.ndarray, name: str, comm: Any) -> np.ndarray:
+        """sum_i [G_i]_{I,:} (eq. 5): MPI's allreduce, or -- when :meth:`_rows_window` --
+        the same sum read from the other ranks' messages in place
+        (:func:`~horovod_compress.mpi_collectives.shared_window.window_allreduce_sum`; at
+        P = 2 the same bits, the same bytes accounted); the result is then the window's own
+        array, read before this call returns."""
+        if type(msg) is np.ndarray and self._rows_window(comm, msg.nbytes):
+            from ..mpi_collectives.shared_window import window_allreduce_sum
+            return window_allreduce_sum(comm, f"arc_rows:{name}", msg)
+        return comm.allreduce(msg, op="sum")
 
     def expected_bytes(self, shape: tuple[int, ...], world_size: int,
                        itemsize: int = 4) -> float:

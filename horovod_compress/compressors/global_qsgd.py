@@ -347,6 +347,12 @@ class GlobalQSGD(Method):
                 avg = dispatch.call("linear_dequantize", total, d_scale / p, flat.dtype)
         else:
             if xp is np and not sparse and self._use_ring(comm, self.payload_bytes(flat.size)):
+                from ..mpi_collectives.shared_window import use_shared_window
+                done = (self._exp_window(flat, q_scale, d_scale, key, comm, name, state)
+                        if use_shared_window(comm) else None)
+                if done is not None:
+                    avg, local = done
+                    return avg.reshape(x.shape), None if local is None else local.reshape(x.shape)
                 rkey = self.stream_key(name, state.t, comm.rank, "reduce")
                 avg, local = self._exp_ring(flat, q_scale, d_scale, key, rkey, comm, name, state)
                 return avg.reshape(x.shape), None if local is None else local.reshape(x.shape)
@@ -466,6 +472,54 @@ class GlobalQSGD(Method):
             _, saturated = ring_reduce_once(comm, nbytes, produce, own, reduce, consume,
                                             segment_bytes=segment, slice_bytes=slice_,
                                             result=total, scratch=(partial, mine))
+        if saturated:
+            state["saturated"] = int(state.get("saturated", 0)) + saturated
+        return avg, local
+
+    def _exp_window(self, flat: np.ndarray, q_scale: float, d_scale: float, key: np.uint64,
+                    comm: Any, name: str, state: TensorState) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """:meth:`_exp_ring` through a node-wide shared-memory window, when every rank shares
+        this node (:func:`~horovod_compress.mpi_collectives.shared_window.use_shared_window`;
+        8-bit codes only, as the ring).
+
+        Each rank quantizes x into its segment in one pass, rank j folds the
+        codes of block j along the ring's chain with Algorithm 2 (section 4.3),
+        drawing each reduction's random words from the stream of the rank that
+        runs it in the ring (``stream_key(name, t, q, "reduce")``, derivable on
+        every rank), and every rank dequantizes the P finished blocks: the
+        ring's codes, draws and result bit for bit, without its copies through
+        MPI's transport and per-segment progress calls. None (nothing done) when the node
+        has no room for the window (:func:`~horovod_compress.mpi_collectives.shared_window.shared_window`).
+        """
+        from ..mpi_collectives.shared_window import shared_window, window_reduce_once_items
+        window = shared_window(comm, f"{self.name}:{name}", flat.size)
+        if window is None:
+            return None
+        x = np.ascontiguousarray(flat)
+        n, p = x.size, comm.size
+        need_local = self.feedback.uses_local
+        local = self._local_buffer(name, flat) if need_local else None
+        avg = np.empty(n, dtype=flat.dtype)
+        scale = float(q_scale) if q_scale >= 0.0 else 0.0
+        dq, dsum = float(d_scale), float(d_scale / p)
+        k = np.uint64(key)
+        rkeys = [np.uint64(self.stream_key(name, state.t, q, "reduce")) for q in range(p)]
+
+        def produce(own: np.ndarray) -> None:
+            if need_local:
+                exp8_quantize_dequant_range(x, scale, k, dq, own, local, 0, n)
+            else:
+                exp8_quantize_range(x, scale, k, own, 0, n)
+
+        def reduce(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int, q: int) -> int:
+            return exp_reduce8_lanes_range(a, b, out, rkeys[q], lo, hi)
+
+        def consume(src: np.ndarray, lo: int, hi: int) -> None:
+            exp8_dequantize_range(src, dsum, avg, lo, hi)
+
+        scratch = self._scratch_buffers(f"{name}|chain", 1, n, np.uint8)[0] if p > 2 else None
+        with comm.phase("global_qsgd.payload"):
+            saturated = window_reduce_once_items(comm, window, n, 1, produce, reduce, consume, scratch)
         if saturated:
             state["saturated"] = int(state.get("saturated", 0)) + saturated
         return avg, local

@@ -134,10 +134,59 @@ class _HalfPrecision(Method):
             return avg, None
         return avg, self.decode(own, scale=comm.size).reshape(x.shape)
 
+    def _reduce_window(self, x: np.ndarray, name: str, comm: Any) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """The ring's 16-bit sum through a node-wide shared-memory window
+        (:func:`~horovod_compress.mpi_collectives.shared_window.window_reduce_once_items`),
+        when every rank shares this node (:func:`~horovod_compress.mpi_collectives.shared_window.use_shared_window`).
+
+        Each rank rounds x_r / P to 16 bits into its segment in one pass (the
+        pass that also reports finiteness, when the call deferred its NaN/Inf
+        agreement), rank j adds block j along the ring's chain, and every rank
+        widens the P finished blocks into its float32 result: the same words,
+        additions and bits as :meth:`_reduce_ring`, without its copies through
+        MPI's transport and its per-segment progress calls. None (nothing done) when the
+        node has no room for the window (:func:`~horovod_compress.mpi_collectives.shared_window.shared_window`).
+        """
+        from ..kernels.halfprec import add16_range, decode16_range, encode16_range, encode16_range_finite
+        from ..mpi_collectives.shared_window import shared_window, window_reduce_once_items
+        flat = np.ascontiguousarray(x).reshape(-1)
+        n = flat.size
+        window = shared_window(comm, f"{self.kind}:{name}", n, 2)
+        if window is None:
+            return None
+        enc, dec, add = encode16_range(self.kind), decode16_range(self.kind), add16_range(self.kind)
+        q_scale, one = np.float32(1.0 / comm.size), np.float32(1.0)
+        gate = self._finite_gate_pending()
+
+        def produce(own: np.ndarray) -> None:
+            words = own.view(np.uint16)
+            if gate:
+                self._pass_finite_gate(bool(encode16_range_finite(self.kind)(flat, q_scale, words, 0, n)))
+            else:
+                enc(flat, q_scale, words, 0, n)
+
+        def reduce(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int, q: int) -> int:
+            add(a.view(np.uint16), b.view(np.uint16), out.view(np.uint16), lo >> 1, hi >> 1)
+            return 0
+
+        avg = np.empty(n, dtype=np.float32)
+
+        def consume(src: np.ndarray, lo: int, hi: int) -> None:
+            dec(src.view(np.uint16), one, avg, lo >> 1, hi >> 1)
+
+        scratch = self._scratch_buffers(f"{name}|chain", 1, 2 * n, np.uint8)[0] if comm.size > 2 else None
+        window_reduce_once_items(comm, window, n, 2, produce, reduce, consume, scratch)
+        avg = avg.reshape(x.shape)
+        if not self.feedback.uses_local:
+            return avg, None
+        return avg, self.decode(window.messages[comm.rank].view(np.uint16), scale=comm.size).reshape(x.shape)
+
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
                 state: TensorState) -> tuple[np.ndarray, np.ndarray]:
         if self._use_ring(comm, x):
-            return self._reduce_ring(x, name, comm)
+            from ..mpi_collectives.shared_window import use_shared_window
+            done = self._reduce_window(x, name, comm) if use_shared_window(comm) else None
+            return done if done is not None else self._reduce_ring(x, name, comm)
         words = self.encode(x.reshape(-1), comm.size)
         out = comm.allreduce_custom(words, f"{self.kind}_sum")
         avg = self.decode(out).astype(x.dtype, copy=False).reshape(x.shape)
