@@ -11,9 +11,11 @@ compile the same kernels at once, each a few seconds of one core per kernel.
 What it runs: every registered method at its defaults, and each biased one
 also under every error-feedback scheme it accepts, for a few steps on small
 float32 and float64 gradients (a 2-D one that the low-rank and row methods
-compress, and a vector), on this process's ``MPI.COMM_WORLD`` -- run it
-alone (P = 1) and under ``mpirun -np 2`` to reach the P > 1 paths too
-(pipelined rings, custom reduction operators). Kernels only some options
+compress, a small vector and one large enough for the rings), on this
+process's ``MPI.COMM_WORLD`` -- ``scripts/setup.sh`` runs it alone (P = 1) and
+under ``mpirun -np 2`` to reach the P > 1 paths too (pipelined rings or
+shared-memory windows, custom reduction operators, merges of received
+messages). Kernels only some options
 reach (e.g. the 4-bit variants) are compiled by their first real use, as
 before. Nothing is written except the cache.
 
@@ -28,8 +30,10 @@ from typing import Any
 
 import numpy as np
 
-#: Gradient shapes: one matrix every compressor compresses, one vector (dense paths, flat buckets).
-SHAPES = ((96, 160), (2048,))
+#: Gradient shapes: one matrix every compressor compresses, one vector (dense paths, flat buckets),
+#: and one vector large enough for the pipelined rings and shared-memory windows (payloads of
+#: at least 64 KiB: fp16's 2 bytes and Global-QSGD's 1 byte per element).
+SHAPES = ((96, 160), (2048,), (70_000,))
 
 
 def _variants(name: str) -> list[dict[str, Any]]:
