@@ -284,8 +284,8 @@ def test_auto_needs_a_core_per_rank(monkeypatch):
     from horovod_compress.mpi_collectives import shared_window
     from horovod_compress.mpi_collectives.communicator import Communicator
 
-    class FakeSize(Communicator):
-        pass
+    class Proxy(Communicator):
+        """A subclass (as a lockstep proxy or a wrapper would be): not the mpi4py one."""
     comm = Communicator()
     monkeypatch.setattr(shared_window, "all_ranks_on_one_node", lambda c: True)
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
@@ -294,7 +294,7 @@ def test_auto_needs_a_core_per_rank(monkeypatch):
         monkeypatch.setenv("HVDC_SHARED_WINDOW", policy)
         comm.size = size
         assert shared_window.use_shared_window(comm) is want, (size, policy)
-    fake = FakeSize()
+    fake = Proxy()
     fake.size = 2
     monkeypatch.setenv("HVDC_SHARED_WINDOW", "on")
     assert not shared_window.use_shared_window(fake)   # a subclass: a proxy, not the one
