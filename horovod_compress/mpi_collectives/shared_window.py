@@ -107,6 +107,8 @@ class SharedWindow:
     def __init__(self, comm: Any, nitems: int, itemsize: int) -> None:
         from mpi4py import MPI
         p, r = comm.size, comm.rank
+        # held, so that the id the window is filed under (shared_window) stays this comm's
+        self.mpi_comm = comm.comm
         self.nbytes = int(nitems) * int(itemsize)
         self.itemsize = int(itemsize)
         self.counts = block_counts(int(nitems), p) * self.itemsize
