@@ -394,10 +394,6 @@ def _jsonable(obj: Any) -> Any:
     raise TypeError(f"case returned a non-JSON value of type {type(obj).__name__}")
 
 
-if __name__ == "__main__":
-    _worker_main(sys.argv[1:])
-
-
 def simulator_check_results(script: Union[str, Path], timeout: float) -> dict[str, str]:
     """Run a test file's checks under Numba's CUDA simulator, in a subprocess; their results.
 
@@ -413,3 +409,7 @@ def simulator_check_results(script: Union[str, Path], timeout: float) -> dict[st
         raise AssertionError(f"simulator run failed (exit {proc.returncode})\n"
                              f"{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1:])

@@ -503,7 +503,8 @@ class GlobalQSGD(Method):
         scale = float(q_scale) if q_scale >= 0.0 else 0.0
         dq, dsum = float(d_scale), float(d_scale / p)
         k = np.uint64(key)
-        rkeys = [np.uint64(self.stream_key(name, state.t, q, "reduce")) for q in range(p)]
+        rkeys: dict[int, np.uint64] = {}   # the streams of the ranks in this rank's chain
+
 
         def produce(own: np.ndarray) -> None:
             if need_local:
@@ -512,6 +513,8 @@ class GlobalQSGD(Method):
                 exp8_quantize_range(x, scale, k, own, 0, n)
 
         def reduce(a: np.ndarray, b: np.ndarray, out: np.ndarray, lo: int, hi: int, q: int) -> int:
+            if q not in rkeys:
+                rkeys[q] = np.uint64(self.stream_key(name, state.t, q, "reduce"))
             return exp_reduce8_lanes_range(a, b, out, rkeys[q], lo, hi)
 
         def consume(src: np.ndarray, lo: int, hi: int) -> None:

@@ -99,9 +99,9 @@ class SharedWindow:
     (``block_counts``), which MPI lays out back to back ("contiguous across process ranks",
     MPI 3.1 section 11.2.3), so :attr:`result` is the whole sum as one array.
 
-    ``messages[q]``: rank q's message (uint8); ``results[q]``: an array indexed by payload
-    offsets that holds block q (:attr:`result` itself when the segments are contiguous, else
-    a payload-sized segment of q's own, of which only block q is used).
+    ``messages[q]``: rank q's message (uint8). :attr:`result` is None where an MPI pads
+    the segments apart (checked here); :func:`shared_window` then frees the windows and
+    the callers take the ring.
     """
 
     def __init__(self, comm: Any, nitems: int, itemsize: int) -> None:
@@ -118,12 +118,6 @@ class SharedWindow:
         self.messages = [_segment(self.win, q, self.nbytes) for q in range(p)]
         self.res_win = MPI.Win.Allocate_shared(int(self.counts[r]), 1, comm=comm.comm)
         self.result: np.ndarray | None = _contiguous_blocks(self.res_win, self.starts)
-        if self.result is None:       # an MPI that pads the segments: full-size result segments
-            self.res_win.Free()
-            self.res_win = MPI.Win.Allocate_shared(self.nbytes, 1, comm=comm.comm)
-            self.results = [_segment(self.res_win, q, self.nbytes) for q in range(p)]
-        else:
-            self.results = [self.result] * p
         self.win.Lock_all(MPI.MODE_NOCHECK)
         self.res_win.Lock_all(MPI.MODE_NOCHECK)
 
@@ -191,8 +185,9 @@ def shared_window(comm: Any, name: str, nitems: int, itemsize: int = 1) -> Share
     created on first use and when the layout changes (a collective: every rank reaches it at
     the same call); None -- on every rank alike, decided by rank 0 -- when the node's
     shared-memory file system lacks room for the P message and result segments plus
-    :data:`SHM_HEADROOM_BYTES` (a container's 64 MiB ``/dev/shm``, say): the caller then takes
-    the ring, and a warning says so once per tensor."""
+    :data:`SHM_HEADROOM_BYTES` (a container's 64 MiB ``/dev/shm``, say; a warning says so
+    once per tensor), or where the MPI does not lay the result blocks out back to back:
+    the caller then takes the ring."""
     key = (id(comm.comm), name)
     nbytes = nitems * itemsize
     win = _WINDOWS.get(key)
@@ -213,7 +208,12 @@ def shared_window(comm: Any, name: str, nitems: int, itemsize: int = 1) -> Share
                       f"Enlarge /dev/shm (docker run --shm-size) or set {ENV_SWITCH}=off.",
                       RuntimeWarning, stacklevel=3)
         return None
-    win = _WINDOWS[key] = SharedWindow(comm, nitems, itemsize)
+    win = SharedWindow(comm, nitems, itemsize)
+    if win.result is None:            # segments not back to back (not Open MPI's layout)
+        win.free()
+        _NO_ROOM.add((key[0], name, nbytes))
+        return None
+    _WINDOWS[key] = win
     return win
 
 
@@ -228,8 +228,8 @@ def window_reduce_once_items(comm: Any, window: SharedWindow, nitems: int, items
     ``produce(own)`` writes this rank's message into ``own`` (uint8, all
     ``nitems * itemsize`` bytes). ``reduce(a, b, out, lo, hi, q)`` folds bytes
     [lo, hi) of rank q's message ``b`` into the partial sum ``a``, writing
-    ``out`` (``out`` may be ``a``). ``consume(src, lo, hi)`` reads the finished
-    bytes [lo, hi) of the sum from ``src`` (uint8, indexed like the payload).
+    ``out`` (``out`` may be ``a``). ``consume(src, 0, nbytes)`` reads the finished
+    sum from ``src`` (uint8, the whole payload).
     Blocks, segments and the chain's order are those of
     :func:`~horovod_compress.mpi_collectives.reduce_ops.ring_reduce_once_items`,
     so the bits equal the ring's. ``scratch``: a uint8 buffer of ``nitems * itemsize``
@@ -246,27 +246,21 @@ def window_reduce_once_items(comm: Any, window: SharedWindow, nitems: int, items
     window.sync(comm)
     total = 0
     lo_r, hi_r = int(starts[r]), int(starts[r + 1])
-    out_r = window.results[r]
-    if p == 2:
-        total += int(reduce(window.messages[(r + 1) % p], window.messages[r], out_r, lo_r, hi_r, r))
-    else:
-        step = max(itemsize, SLICE_BYTES // itemsize * itemsize)
-        if scratch is None or scratch.size < nbytes:
-            scratch = np.empty(nbytes, dtype=np.uint8)
-        chain = [(r + s) % p for s in range(2, p + 1)]   # ranks folded in, the ring's order
-        for lo in range(lo_r, hi_r, step):
-            hi = min(hi_r, lo + step)
-            a = window.messages[(r + 1) % p]
-            for i, q in enumerate(chain):
-                out = out_r if i == len(chain) - 1 else scratch
-                total += int(reduce(a, window.messages[q], out, lo, hi, q))
-                a = out
+    chain = [(r + s) % p for s in range(2, p + 1)]   # ranks folded in, the ring's order
+    # one fold per element at P = 2: the whole block at once; longer chains slice by slice,
+    # so the partial sums stay in cache
+    step = max(hi_r - lo_r, 1) if p == 2 else max(itemsize, SLICE_BYTES // itemsize * itemsize)
+    if p > 2 and (scratch is None or scratch.size < nbytes):
+        scratch = np.empty(nbytes, dtype=np.uint8)
+    for lo in range(lo_r, hi_r, step):
+        hi = min(hi_r, lo + step)
+        a = window.messages[(r + 1) % p]
+        for i, q in enumerate(chain):
+            out = window.result if i == len(chain) - 1 else scratch
+            total += int(reduce(a, window.messages[q], out, lo, hi, q))
+            a = out
     window.sync(comm)
-    if window.result is not None:     # one array: one call
-        consume(window.result, 0, nbytes)
-    else:
-        for j in range(p):
-            consume(window.results[j], int(starts[j]), int(starts[j + 1]))
+    consume(window.result, 0, nbytes)
     vol = allreduce_volume(nbytes, p)
     comm.count("allreduce", vol, vol)
     return total
@@ -282,8 +276,8 @@ def window_allreduce_sum(comm: Any, name: str, array: np.ndarray,
 
     ``array`` may be this rank's message segment itself (:func:`window_message`: written
     in place by the caller, nothing is copied in). The sum goes to ``out``; with ``out``
-    None it is the window's result array itself where MPI laid the blocks out back to back
-    (:attr:`SharedWindow.result`; valid until the next call on ``name``), else a new array.
+    None it is the window's result array itself (:attr:`SharedWindow.result`; valid until
+    the next call on ``name``).
     """
     if array.dtype not in (np.float32, np.float64) or not array.flags.c_contiguous:
         raise TypeError(f"window_allreduce_sum takes C-contiguous float32/float64 arrays, "
@@ -299,7 +293,7 @@ def window_allreduce_sum(comm: Any, name: str, array: np.ndarray,
         return out
     own = window.messages[comm.rank]
     in_place = flat.size > 0 and own.__array_interface__["data"][0] == flat.__array_interface__["data"][0]
-    view = out is None and window.result is not None
+    view = out is None
     result = (window.result.view(dtype) if view else
               np.empty(flat.size, dtype=dtype) if out is None else out.reshape(-1))
 
