@@ -377,7 +377,13 @@ def predict(profile: StepProfile, network: Network, world_size: int | None = Non
     a call and flattens out (a concave curve), so a step of a few long gaps
     and many short ones waits far less than as many calls at the mean gap.
     ``tokens_i = B`` (no bucket) on a network without ``burst_bytes``; with one,
-    the bucket starts full and refills at ``B`` during those ``g_i`` seconds.
+    each direction of the rank's link has its own bucket (tbf shapes each veth end's
+    egress), which starts full and refills at ``B`` during those ``g_i`` seconds; a call
+    sends ``L_i * sent/max(sent, received)`` and receives ``L_i * received/max(...)``
+    (the op's totals' ratio) and waits for the direction that runs out first:
+    ``L_i - tokens_i`` is ``max(0, out_i - tokens_out, in_i - tokens_in)``. A root's
+    broadcast after a phase of receiving (gTop-k's tree) thus starts with a full
+    outgoing bucket.
     ``W_op``: :attr:`StepProfile.overlap_s`, the method's work that runs
     while the op's bytes are on the wire (0 for MPI's own collectives); what it
     covers comes off the transfer first, then off the latency.
@@ -389,11 +395,14 @@ def predict(profile: StepProfile, network: Network, world_size: int | None = Non
     n_calls = sum(len(v[0]) for v in per_op.values())
     mean_gap = prof.compress_s / n_calls if n_calls else 0.0
     bucket = network.burst_bytes
-    tokens = bucket
+    tokens_out = tokens_in = bucket          # each direction of a rank's link has its own bucket
     latency = transfer = 0.0
     for name, (sizes, weight) in per_op.items():
         alpha = _per_op(network.op_alpha, name, network.alpha)
         op_latency = op_transfer = 0.0
+        o = prof.ops[name]
+        most = max(o.sent, o.received)
+        share_out, share_in = (o.sent / most, o.received / most) if most > 0 else (1.0, 1.0)
         for nbytes, gap in zip(sizes, prof.gaps_of(name, len(sizes), mean_gap)):
             rounds = network.rounds(name, p, nbytes)
             if network.call_wait_curve:
@@ -403,9 +412,12 @@ def predict(profile: StepProfile, network: Network, world_size: int | None = Non
             else:
                 op_latency += weight * max(rounds * alpha, network.call_latency)
             if bucket > 0:
-                tokens = min(bucket, tokens + rate * gap)
-                waiting = max(0.0, nbytes - tokens)
-                tokens = max(0.0, tokens - nbytes)
+                out_bytes, in_bytes = nbytes * share_out, nbytes * share_in
+                tokens_out = min(bucket, tokens_out + rate * gap)
+                tokens_in = min(bucket, tokens_in + rate * gap)
+                waiting = max(0.0, out_bytes - tokens_out, in_bytes - tokens_in)
+                tokens_out = max(0.0, tokens_out - out_bytes)
+                tokens_in = max(0.0, tokens_in - in_bytes)
             else:
                 waiting = nbytes
             op_transfer += waiting / (network.eta(name, nbytes) * rate)

@@ -253,6 +253,17 @@ def test_bench_e2e_writes_its_tables(tmp_path):
         curve = run["link"][op]["efficiency_curve"]
         assert len(curve) >= 2 and all(0 < eta <= 1 for _, eta in curve), (op, curve)
         assert [b for b, _ in curve] == sorted(b for b, _ in curve)
+    # each probe holds the slowest rank's time and the mean over ranks (never above it), and the
+    # model's rate is fitted to the mean: what a step's comm time (each rank's MPI time, averaged) is
+    for op, v in run["probe"].items():
+        if op == "interleaved":
+            continue
+        assert 0 < v["large_rank_mean_s"] <= v["large_s"] and 0 < v["small_rank_mean_s"] <= v["small_s"], op
+        assert [b for b, _ in v["sizes_rank_mean"]] == [b for b, _ in v["sizes"]]
+        assert all(0 < m <= s for (_, m), (_, s) in zip(v["sizes_rank_mean"], v["sizes"])), op
+        ideal = (v["large_bytes"] - run["burst_bytes"]) / (1e9 / 8)
+        eta = min(1.0, ideal / (v["large_rank_mean_s"] - v["small_rank_mean_s"]))
+        assert run["link"][op]["efficiency"] == pytest.approx(eta), op
     assert run["burst_bytes"] > 0 and run["load_before"] >= 0 and run["load_after"] >= 0
     assert (out / "e2e.png").stat().st_size > 1000
     assert "Speedup of a whole step over dense" in (out / "e2e.md").read_text()

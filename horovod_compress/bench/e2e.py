@@ -263,7 +263,8 @@ def profile_of(label: str, m: dict[str, Any], p: int,
                calls: dict[str, list[float]] | None = None) -> StepProfile:
     """The method's step as the model sees it: CPU time of compute and compression (what they cost
     on a rank with a core of its own), bytes and calls per operation, and where ``calls`` (recorded by
-    :mod:`.e2e_calls`) agrees with the measured op -- as many calls, bytes within 10% -- each call's size.
+    :mod:`.e2e_calls`) has as many calls of an op as measured, each call's size (the recorded sizes
+    rescaled to the measured bytes) and the CPU work before it.
 
     Bytes the worker saw cross the links on another transport than the op's own (``m["transport"]``:
     an allreduce run as the pipelined point-to-point ring) move from that op to the transport's op
@@ -288,12 +289,15 @@ def profile_of(label: str, m: dict[str, Any], p: int,
         o = ops.get(op)
         if o is None or len(v) != round(o.calls):
             continue
+        # as many calls as measured: the recorded pattern, rescaled to the measured bytes. A
+        # data-dependent method (Ok-Topk's selection, its threshold re-evaluations) moves other
+        # bytes on the recorded step than on the measured ones, but calls in the same order with
+        # the same work between them -- which the waits for peers depend on
         total = max(o.sent, o.received)
-        if abs(sum(v) - total) <= 0.1 * max(total, 1.0):
-            sizes[op] = [x * total / sum(v) if sum(v) > 0 else x for x in v]   # rescaled to the measured total
-            recorded = (calls or {}).get(op + GAP_SUFFIX)
-            if recorded and len(recorded) == len(v):
-                gaps[op] = [float(g) for g in recorded]
+        sizes[op] = [x * total / sum(v) if sum(v) > 0 else total / len(v) for x in v]
+        recorded = (calls or {}).get(op + GAP_SUFFIX)
+        if recorded and len(recorded) == len(v):
+            gaps[op] = [float(g) for g in recorded]
     return StepProfile(label.split("(")[0], p, m["compute_cpu_s"], m["compress_cpu_s"], ops, call_bytes=sizes,
                        overlap_s=overlap, call_gaps=gaps)
 
@@ -344,15 +348,19 @@ def analyse(runs: list[dict[str, Any]], args: argparse.Namespace | None = None) 
         # a step's comm time is a sum over calls: the mean per call at each probed spacing of calls
         # (runs before the curve was recorded: the median at the one spacing they probed)
         curve = [(c["work_s"], c["call_mean_s"]) for c in inter.get("curve", [])]
-        fitted = fit_link(nominal, {op: (v["small_s"], v["large_s"], v["large_bytes"], p)
+        # each probe's mean over ranks where recorded (what a step's comm time is: each rank's time
+        # in MPI, averaged over ranks), else the slowest rank's (runs before 2026-11-28)
+        fitted = fit_link(nominal, {op: (v.get("small_rank_mean_s", v["small_s"]),
+                                         v.get("large_rank_mean_s", v["large_s"]), v["large_bytes"], p)
                                     for op, v in probes.items()},
                           call_latency=inter.get("call_mean_s", inter.get("call_s", 0.0)),
                           ring_from=None if r["bandwidth"] == SHM else RING_FROM, burst_bytes=burst,
                           call_latency_curve=curve,
-                          size_probes={op: [(float(b), float(t)) for b, t in v.get("sizes", [])]
+                          size_probes={op: [(float(b), float(t))
+                                            for b, t in v.get("sizes_rank_mean", v.get("sizes", []))]
                                        for op, v in probes.items()})
         r["link"] = {op: {"alpha_us": 1e6 * fitted.op_alpha[op], "efficiency": fitted.efficiency[op],
-                          "carried_gbit": v["large_bytes"] * 8 / v["large_s"] / 1e9,
+                          "carried_gbit": v["large_bytes"] * 8 / v.get("large_rank_mean_s", v["large_s"]) / 1e9,
                           "efficiency_curve": [list(c) for c in fitted.efficiency_curve.get(op, ())]}
                      for op, v in probes.items()}
         r["call_latency_us"] = 1e6 * inter.get("call_mean_s", inter.get("call_s", 0.0))
@@ -488,7 +496,9 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
               "A 16 MiB message per collective and a ring shift of 16 MiB point to point (also the transport of "
               "the methods' pipelined ring), each after a burst of CPU work that leaves the links idle as a step's "
               "compute does (runs that record it), against the nominal rate (effective Gbit/s = bytes moved per "
-              "rank x 8 / time); alpha = small-message time per latency round; '-': not probed in that run.", "",
+              "rank x 8 / time; time = the median over repeats of the mean over ranks, as a step's comm time is "
+              "taken, in runs that record it, else of the slowest rank); alpha = small-message time per latency "
+              "round; '-': not probed in that run.", "",
               "| P | link | " + " | ".join(f"{op} Gbit/s" for op in LINK_COLUMNS) + " | alpha allreduce (us) |",
               "|---|---|" + "---:|" * (len(LINK_COLUMNS) + 1)]
     for r in runs:

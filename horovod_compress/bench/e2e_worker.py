@@ -44,13 +44,19 @@ PROBE_LARGE = 16 * 1024 * 1024
 #: Further message sizes each collective is probed at (bytes of the whole message, as
 #: ``PROBE_LARGE``): the rate a link reaches depends on the message (MPI's algorithm, TCP's
 #: window against the token bucket), and the methods' calls range from kilobytes to megabytes
-PROBE_SIZES = (1024 * 1024, 4 * 1024 * 1024)
+PROBE_SIZES = (512 * 1024, 1024 * 1024, 2 * 1024 * 1024, 4 * 1024 * 1024)
 #: CPU seconds of work before each large probe call: the links sit idle as during a step's
 #: forward and backward pass, so the probe meets them as a step's exchange does
 PROBE_IDLE_CPU_S = 0.05
 #: CPU seconds of work between the interleaved probe's tiny allreduces: from below the methods'
-#: spacing of calls (PowerSGD's 72 calls, ~1.5 ms apart) to above it (one call per step)
-INTERLEAVED_WORK_S = (5e-5, 5e-4, 2e-3, 8e-3)
+#: spacing of calls (PowerSGD's 72 calls, ~1.5 ms apart) to a step's first call, which follows
+#: tens to hundreds of ms of selection or projection work (Top-k's ~65 ms, GreedyLore's ~0.3 s
+#: on 2000 x 2000): with more ranks than cores the ranks drift further apart the longer they compute
+INTERLEAVED_WORK_S = (5e-5, 5e-4, 2e-3, 8e-3, 3.2e-2, 1.28e-1)
+#: CPU seconds of work each spacing of the interleaved probe runs at most (fewer calls for the
+#: long spacings, at least :data:`INTERLEAVED_MIN_CALLS`)
+INTERLEAVED_BUDGET_S = 1.6
+INTERLEAVED_MIN_CALLS = 8
 
 
 def _cpu_burst(seconds: float, data: np.ndarray) -> float:
@@ -61,10 +67,15 @@ def _cpu_burst(seconds: float, data: np.ndarray) -> float:
     return time.thread_time() - c0
 
 
-def _timed(comm: Any, fn: Any, repeats: int, before: Any = None) -> tuple[float, list[float]]:
-    """Wall time of ``fn()``, all ranks starting together (max over ranks): (median, every repeat).
+def _timed(comm: Any, fn: Any, repeats: int, before: Any = None) -> tuple[float, list[float], float]:
+    """Wall time of ``fn()``, all ranks starting together: (median over repeats of the slowest
+    rank's time, every repeat's slowest, median over repeats of the mean over ranks).
 
-    ``before()`` runs before each repeat's barrier (e.g. a burst of CPU work that leaves the links idle)."""
+    ``before()`` runs before each repeat's barrier (e.g. a burst of CPU work that leaves the links idle).
+    The mean over ranks is the statistic a step's measured communication time takes (each rank's
+    time in MPI, averaged over ranks), so the model is fitted to it: in a ring allgather the ranks
+    finish one after another, and at P = 4 on 100 Mbit the slowest took 0.40 s against a mean of
+    0.30 s for 0.92 MB per rank, the mean being what Top-k's own allgather of that size spent."""
     times = []
     for _ in range(repeats):
         if before is not None:
@@ -73,8 +84,10 @@ def _timed(comm: Any, fn: Any, repeats: int, before: Any = None) -> tuple[float,
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    slowest = comm.allreduce(np.array(times), "max")
-    return float(np.median(slowest)), [float(t) for t in slowest]
+    own = np.array(times)
+    slowest = comm.allreduce(own, "max")
+    mean = comm.allreduce(own, "sum") / comm.size
+    return float(np.median(slowest)), [float(t) for t in slowest], float(np.median(mean))
 
 
 def _ring_probe(comm: Any, nbytes: int) -> Any:
@@ -103,7 +116,11 @@ def _ring_probe(comm: Any, nbytes: int) -> Any:
 
 def probe_links(comm: Any, repeats: int) -> dict[str, Any]:
     """Small- and large-message times of each collective the methods use, and its bytes per rank;
-    ``sizes``: the same call at the message sizes of :data:`PROBE_SIZES` (``[bytes per rank, s]``)."""
+    ``sizes``: the same call at the message sizes of :data:`PROBE_SIZES` (``[bytes per rank, s]``).
+
+    Each time is the median over ``repeats`` of the slowest rank's (``small_s``, ``large_s``,
+    ``sizes``) and of the mean over ranks (``small_rank_mean_s``, ``large_rank_mean_s``,
+    ``sizes_rank_mean``); the model is fitted to the latter (see :func:`_timed`)."""
     p, rank = comm.size, comm.rank
     out: dict[str, Any] = {}
     small = np.zeros(PROBE_SMALL // 4, np.float32)
@@ -153,14 +170,19 @@ def probe_links(comm: Any, repeats: int) -> dict[str, Any]:
     for op, f_small in tiny.items():
         f_large = by_size[PROBE_LARGE][op]
         nbytes = volume(f_large) if op != "p2p" else float(PROBE_LARGE)
-        t_small, _ = _timed(comm, f_small, repeats * 3)
-        t_large, samples = _timed(comm, f_large, repeats, before=idle)
-        sizes = []
+        t_small, _, small_mean = _timed(comm, f_small, repeats * 3)
+        t_large, samples, large_mean = _timed(comm, f_large, repeats, before=idle)
+        sizes, sizes_mean = [], []
         for size in PROBE_SIZES:
             f = by_size[size][op]
-            sizes.append([volume(f) if op != "p2p" else float(size), _timed(comm, f, repeats, before=idle)[0]])
+            moved = volume(f) if op != "p2p" else float(size)
+            slowest, _, mean = _timed(comm, f, repeats, before=idle)
+            sizes.append([moved, slowest])
+            sizes_mean.append([moved, mean])
         out[op] = {"small_s": t_small, "large_s": t_large, "large_bytes": nbytes, "large_samples_s": samples,
-                   "idle_cpu_s": PROBE_IDLE_CPU_S, "sizes": sizes}
+                   "idle_cpu_s": PROBE_IDLE_CPU_S, "sizes": sizes,
+                   "small_rank_mean_s": small_mean, "large_rank_mean_s": large_mean,
+                   "sizes_rank_mean": sizes_mean}
     out["interleaved"] = probe_interleaved(comm, repeats * 10)
     comm.reset_stats()
     return out
@@ -184,7 +206,7 @@ def probe_interleaved(comm: Any, iterations: int,
     for w in work_s:
         calls, cpu = [], []
         comm.barrier()
-        for _ in range(iterations):
+        for _ in range(min(iterations, max(INTERLEAVED_MIN_CALLS, int(INTERLEAVED_BUDGET_S / w)))):
             cpu.append(_cpu_burst(w, data))
             t0 = time.perf_counter()
             comm.allreduce(small)
@@ -337,7 +359,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="transformer")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warm", type=int, default=1)
-    parser.add_argument("--probe-repeats", type=int, default=3)
+    parser.add_argument("--probe-repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", required=True)
     return parser
