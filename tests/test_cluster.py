@@ -227,7 +227,7 @@ def test_bench_e2e_writes_its_tables(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "horovod_compress.cli", "bench", "e2e", "--hosts", "2",
                            "--bandwidths", "1gbit", "--model", "tiny", "--methods", "topk,oktopk",
-                           "--steps", "1", "--warm", "1", "--out", str(out), "--cluster-name", name],
+                           "--steps", "1", "--warm", "1", "--rounds", "2", "--out", str(out), "--cluster-name", name],
                           capture_output=True, text=True, cwd=ROOT, timeout=360)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert namespaces_of(name) == []
@@ -238,6 +238,9 @@ def test_bench_e2e_writes_its_tables(tmp_path):
         assert "error" not in m, (label, m)
         assert m["step_s"] > 0 and m["predicted"]["comm_s"] > 0
     assert run["methods"]["none"]["speedup"] == pytest.approx(1.0)
+    # two rounds, the methods taking turns: each method's median is over both rounds' steps
+    assert run["rounds"] == 2 and "in each of 2 rounds" in (out / "e2e.md").read_text()
+    assert all(m["steps_measured"] == 2 for m in run["methods"].values())
     # the model used each method's recorded per-call sizes (recorded first, on shared memory)
     calls = json.loads((out / "e2e_calls.json").read_text())["tiny"]["2"]
     assert set(calls) == {"none", "topk", "oktopk"}

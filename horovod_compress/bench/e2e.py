@@ -63,7 +63,11 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
                    help="'all' or comma-separated names; name:{json} sets parameters, e.g. "
                         "'powersgd:{\"rank\":4}'")
     p.add_argument("--model", default="transformer", choices=("transformer", "matrix2000", "tiny"))
-    p.add_argument("--steps", type=int, default=5, help="measured steps per method (median reported)")
+    p.add_argument("--steps", type=int, default=5,
+                   help="measured steps per method and round (median over all reported)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure the methods this many times in turn (A B C, A B C, ...), so a slow "
+                        "phase of a shared machine falls on all of them alike (default 1)")
     p.add_argument("--warm", type=int, default=3,
                    help="untimed steps first (default 3: a method's first steps load its compiled kernels "
                         "and map its buffers, and GreedyLore's first step is its SVD step)")
@@ -118,7 +122,7 @@ def _worker_command(p: int, methods: list[str], args: argparse.Namespace, json_p
     mpirun = mpirun_command(p) if local else ["mpirun", "-np", str(p)]
     return mpirun + [sys.executable, "-m", "horovod_compress.bench.e2e_worker",
                      "--methods", ",".join(methods), "--model", args.model, "--steps", str(args.steps),
-                     "--warm", str(args.warm), "--json", json_path]
+                     "--warm", str(args.warm), "--rounds", str(getattr(args, "rounds", 1)), "--json", json_path]
 
 
 def _stream(cmd: list[str], env: dict[str, str], bar: Any, label: str, timeout: float,
@@ -192,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
     methods = method_list(args.methods)
     if args.steps < 1:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     if args.no_cluster:
         bws = [SHM]
     else:
@@ -222,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             tqdm.write(f"[e2e] P={p} {bw}: {exc}", file=sys.stderr)
             failed.append({"world_size": p, "bandwidth": bw, "error": str(exc)[-3000:]})
-    total = len(args.hosts) * len(bws) * (len(methods) + 1)
+    total = len(args.hosts) * len(bws) * (len(methods) * args.rounds + 1)
     with tempfile.TemporaryDirectory(prefix="hvdc-e2e-") as tmp, \
             tqdm(total=total, desc="e2e", unit="item", file=sys.stderr) as bar:
         for p in args.hosts:
@@ -419,6 +425,12 @@ def analyse(runs: list[dict[str, Any]], args: argparse.Namespace | None = None) 
     }
 
 
+def _rounds(runs: list[dict[str, Any]]) -> int:
+    """The runs' rounds (``--rounds``; 1 for runs recorded before the option or mixed ones)."""
+    values = {int(r.get("rounds", 1)) for r in runs}
+    return values.pop() if len(values) == 1 else 1
+
+
 def _commit() -> str:
     """The source's git commit (with ``+dirty`` for uncommitted changes), or ``unknown``."""
     root = Path(__file__).resolve().parents[2]
@@ -490,7 +502,10 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
              f"(the machine's cores shared out), `overlap=False` so the parts add up, warm-up steps off "
              f"(they are dense steps). Each figure is the median of the measured steps"
              + (f" ({report['steps']} per method, after {report['warm']} untimed ones)"
-                if "steps" in report and "warm" in report else "")
+                if "steps" in report and "warm" in report and _rounds(runs) == 1 else "")
+             + (f" ({report['steps']} per method in each of {_rounds(runs)} rounds, the methods taking turns "
+                f"(A B C, A B C, ...), each round after {report['warm']} untimed steps of a fresh method)"
+                if "steps" in report and "warm" in report and _rounds(runs) > 1 else "")
              + "; speedup = dense step time / method step time, measured in the same run.", ""]
     lines += ["## What the links carry", "",
               "A 16 MiB message per collective and a ring shift of 16 MiB point to point (also the transport of "

@@ -249,9 +249,10 @@ class _ExchangeClock:
         self.wall = self.cpu = 0.0
 
 
-def time_method(name: str, params: dict[str, Any], model_name: str, comm: Any, steps: int,
-                warm: int, seed: int) -> dict[str, Any]:
-    """Train ``warm + steps`` steps with method ``name``; per-step parts of the measured ones."""
+def measure_method(name: str, params: dict[str, Any], model_name: str, comm: Any, steps: int,
+                   warm: int, seed: int, first_batch: int = 0) -> tuple[Any, list[dict[str, Any]]]:
+    """Train ``warm + steps`` steps with a fresh method ``name`` and model; (the method, one record
+    per measured step). The batches are those of steps ``first_batch``, ``first_batch + 1``, ..."""
     import torch
 
     from ..compressors.registry import create
@@ -267,18 +268,18 @@ def time_method(name: str, params: dict[str, Any], model_name: str, comm: Any, s
                                overlap=False, comm=comm)
     clock = _ExchangeClock(method)
     ring = RingTransport()
-    records = []
+    records: list[dict[str, Any]] = []
     with ring.installed():
-        _steps(comm, model, model_name, opt, clock, ring, warm, steps, records)
+        _steps(comm, model, model_name, opt, clock, ring, warm, steps, records, first_batch)
     opt.close()
-    return _summary(method, comm, records)
+    return method, records
 
 
 def _steps(comm: Any, model: Any, model_name: str, opt: Any, clock: "_ExchangeClock", ring: RingTransport,
-           warm: int, steps: int, records: list[dict[str, Any]]) -> None:
+           warm: int, steps: int, records: list[dict[str, Any]], first_batch: int = 0) -> None:
     """Run ``warm + steps`` training steps; append the measured ones' parts to ``records``."""
     for step in range(warm + steps):
-        x, y = synthetic_batch(model_name, comm.rank, step)
+        x, y = synthetic_batch(model_name, comm.rank, first_batch + step)
         comm.barrier()
         comm.reset_stats()
         clock.reset()
@@ -307,7 +308,7 @@ def _steps(comm: Any, model: Any, model_name: str, opt: Any, clock: "_ExchangeCl
 def _summary(method: Any, comm: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
     """Each part: the mean over ranks of the median over steps; the step: the slowest rank; ops and
     the pipelined ring's share (``transport``): rank 0's means over steps."""
-    summary: dict[str, Any] = {"params": method.config()}
+    summary: dict[str, Any] = {"params": method.config(), "steps_measured": len(records)}
     for key in ("compute_s", "exchange_s", "comm_s", "compress_s", "compute_cpu_s", "compress_cpu_s",
                 "comm_cpu_s", "imbalance_s", "sent", "received"):
         local = float(np.median([r[key] for r in records]))
@@ -359,6 +360,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", default="transformer")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warm", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every method this many times, the methods interleaved "
+                             "(round 1: A B C, round 2: A B C, ...), each time --warm + --steps steps")
     parser.add_argument("--probe-repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", required=True)
@@ -387,19 +391,35 @@ def _main(args: argparse.Namespace) -> None:
     result["tensors"] = int(sum(1 for _ in model.parameters()))
     result["memcpy_s"] = memcpy_seconds(result["parameters"])
     del model
+    specs = []
     for spec in args.methods.split(","):
         name, _, raw = spec.partition(":")
         params = json.loads(raw) if raw else {}
         label = name if not params else f"{name}({','.join(f'{k}={v}' for k, v in params.items())})"
-        try:
-            result["methods"][label] = time_method(name, params, args.model, comm, args.steps,
-                                                   args.warm, args.seed)
-        except Exception as exc:  # noqa: BLE001 - every rank raises the same; record and go on
-            if rank0:
-                print(f"[e2e] {label} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-            result["methods"][label] = {"error": f"{type(exc).__name__}: {exc}"}
-            comm.barrier()
-        progress(label)
+        specs.append((name, params, label))
+    # Rounds interleave the methods, so a phase in which the shared machine runs slower falls on
+    # every method alike instead of on whichever was being measured then; each round builds the
+    # method afresh (its untimed steps settle it again) on the next batches.
+    records: dict[str, list[dict[str, Any]]] = {label: [] for _, _, label in specs}
+    methods: dict[str, Any] = {}
+    for rnd in range(args.rounds):
+        for name, params, label in specs:
+            if label in result["methods"]:          # failed in an earlier round
+                continue
+            try:
+                methods[label], got = measure_method(name, params, args.model, comm, args.steps, args.warm,
+                                                     args.seed, first_batch=rnd * (args.warm + args.steps))
+                records[label] += got
+            except Exception as exc:  # noqa: BLE001 - every rank raises the same; record and go on
+                if rank0:
+                    print(f"[e2e] {label} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+                result["methods"][label] = {"error": f"{type(exc).__name__}: {exc}"}
+                comm.barrier()
+            progress(label if args.rounds == 1 else f"{label} ({rnd + 1}/{args.rounds})")
+    for _, _, label in specs:
+        if label not in result["methods"]:
+            result["methods"][label] = _summary(methods[label], comm, records[label])
+    result["rounds"] = args.rounds
     if rank0:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=1)
