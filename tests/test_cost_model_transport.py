@@ -252,3 +252,24 @@ def test_profile_reads_the_recorded_gaps_beside_the_sizes():
     assert prof.gaps_of("allreduce", 2, 0.5) == [0.04, 1e-4]
     old = profile_of("powersgd", m, 2, {"allreduce": [1e3, 2e3]})      # a log without gaps
     assert old.call_gaps == {} and old.gaps_of("allreduce", 2, 0.5) == [0.5, 0.5]
+
+
+def test_each_direction_of_a_link_has_its_own_token_bucket():
+    """gTop-k's root receives a partner's top-k point to point, then broadcasts: the broadcast
+    leaves through the outgoing bucket, which the receive did not drain."""
+    burst, k = 262144.0, 320000.0
+    net = Network("t", 0.0, RATE, efficiency={"p2p": 1.0, "broadcast": 1.0}, burst_bytes=burst)
+    ops = {"p2p": OpCount(1, 0.0, k), "broadcast": OpCount(1, k, 0.0)}
+    root = StepProfile("gtopk", 2, 0.1, 0.0, ops, call_bytes={"p2p": [k], "broadcast": [k]},
+                       call_gaps={"p2p": [1.0], "broadcast": [0.0]})
+    # each call pays only its own direction's bytes beyond a full bucket
+    assert predict(root, net).transfer_s == pytest.approx(2 * (k - burst) / BPS)
+    # both calls in one direction share one bucket: the second finds it empty
+    same = StepProfile("gtopk", 2, 0.1, 0.0, {"p2p": OpCount(1, 0.0, k), "broadcast": OpCount(1, 0.0, k)},
+                       call_bytes={"p2p": [k], "broadcast": [k]},
+                       call_gaps={"p2p": [1.0], "broadcast": [0.0]})
+    assert predict(same, net).transfer_s == pytest.approx((2 * k - burst) / BPS)
+    # an exchange that sends and receives alike waits as with one bucket
+    both = StepProfile("x", 2, 0.1, 0.0, {"allgather": OpCount(1, k, k)}, call_bytes={"allgather": [k]},
+                       call_gaps={"allgather": [1.0]})
+    assert predict(both, net).transfer_s == pytest.approx((k - burst) / BPS)
