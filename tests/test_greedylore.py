@@ -384,13 +384,18 @@ def case_edge_shapes(comm):
                 assert fb is None or not np.any(fb)
                 assert "U" not in meth.state["s"] and "error" not in meth.state["s"]
     # m > n keeps the orientation of the output and of U (small side).
+    # Its error is kept in the gradient's own memory order (column-major as 8 x 30) and
+    # updated in place: the same buffer from the SVD step on, no m x n temporary per step.
     meth = GreedyLore(rank=2, period=3)
+    buffers = set()
     for t in range(1, 4):
         g = low_rank_gradient((30, 8), comm.rank, t, 2)
         out = meth.allreduce(g, "tall", comm)
         assert out.shape == (30, 8)
+        buffers.add(meth.state["tall"]["error"].__array_interface__["data"][0])
     assert meth.state["tall"]["U"].shape == (8, 8)
     assert meth.state["tall"]["error"].shape == (8, 30)
+    assert meth.state["tall"]["error"].flags.f_contiguous and len(buffers) == 1
     res["tall_ok"] = True
     return res
 
