@@ -130,10 +130,14 @@ def call_sizes(methods: list[str], model_name: str, comm: Any,
     of the last of ``steps`` training steps.
 
     The gap before a call is this rank's CPU time outside MPI since the
-    previous call returned (for the step's first call, since the optimizer's
-    ``step()`` began, after forward and backward): the method's own work
-    between its calls, which decides how long a call waits for peers when
-    ranks share cores (``cost_model.Network.call_wait``). CPU time, so the
+    previous call returned: the method's own work between its calls, which
+    decides how long a call waits for peers when ranks share cores
+    (``cost_model.Network.call_wait``). With ``overlap=False`` the buckets are
+    reduced inside the backward pass's hooks, so the step's first call
+    follows the clock's restart before the previous step's ``opt.step()``:
+    its gap holds that update, this step's forward pass and the backward pass
+    up to the first full bucket (0.2-0.3 s on the Transformer here) -- the
+    CPU work over which the ranks drift apart since they last met. CPU time, so the
     recording on an oversubscribed machine is not stretched by the core share.
     """
     import torch
@@ -179,7 +183,7 @@ def call_sizes(methods: list[str], model_name: str, comm: Any,
                 x, y = synthetic_batch(model_name, comm.rank, step)
                 opt.zero_grad()
                 model.loss(x, y).backward()
-                restart_clock()         # the first call's gap: the work of opt.step() before it
+                restart_clock()         # the next step's first gap starts here (see the docstring)
                 opt.step()
             opt.close()
             calls: dict[str, list[float]] = {}
