@@ -50,8 +50,8 @@ PROBE_SIZES = (512 * 1024, 1024 * 1024, 2 * 1024 * 1024, 4 * 1024 * 1024)
 PROBE_IDLE_CPU_S = 0.05
 #: CPU seconds of work between the interleaved probe's tiny allreduces: from below the methods'
 #: spacing of calls (PowerSGD's 72 calls, ~1.5 ms apart) to a step's first call, which follows
-#: tens to hundreds of ms of selection or projection work (Top-k's ~65 ms, GreedyLore's ~0.3 s
-#: on 2000 x 2000): with more ranks than cores the ranks drift further apart the longer they compute
+#: the forward pass and the backward pass up to the first full bucket (0.06-0.3 s of CPU on this
+#: testbed's models): with more ranks than cores the ranks drift further apart the longer they compute
 INTERLEAVED_WORK_S = (5e-5, 5e-4, 2e-3, 8e-3, 3.2e-2, 1.28e-1)
 #: CPU seconds of work each spacing of the interleaved probe runs at most (fewer calls for the
 #: long spacings, at least :data:`INTERLEAVED_MIN_CALLS`)
