@@ -416,6 +416,12 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
         # as it was until the NaN/Inf agreement passes), with v = A_i xi in the same pass; an
         # error kept as base - Q C_i (see below) is applied in that same pass.
         e = state.get("error")
+        if (transposed and e is not None and e.shape == (m, n) and not e.flags.f_contiguous
+                and "error_q" not in state):
+            # a transposed tensor's error is column-major (see _zeroed_error); one restored from
+            # a checkpoint (or an older one) is laid out so once, so a resumed run takes the same
+            # arithmetic path -- and gives the same bits -- as the run that saved it
+            e = state["error"] = np.asfortranarray(e)
         has_error = self.error_feedback and e is not None and e.shape == (m, n)
         xi = self.probes_for(name, state.t, m, n, m_mat.dtype)
         fused = (has_error and self.probe_mode == "shared" and e.dtype == m_mat.dtype
