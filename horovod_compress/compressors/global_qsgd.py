@@ -505,7 +505,6 @@ class GlobalQSGD(Method):
         k = np.uint64(key)
         rkeys: dict[int, np.uint64] = {}   # the streams of the ranks in this rank's chain
 
-
         def produce(own: np.ndarray) -> None:
             if need_local:
                 exp8_quantize_dequant_range(x, scale, k, dq, own, local, 0, n)

@@ -507,10 +507,9 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
         compressed entries sit in such tall matrices (embedding, output head,
         the MLPs' first layers).
         """
-        order_ok = (old.flags.f_contiguous if transposed else old.flags.c_contiguous) \
-            if old is not None else False
         if (old is not None and old.shape == like.shape and old.dtype == like.dtype
-                and old.flags.writeable and order_ok):
+                and old.flags.writeable
+                and (old.flags.f_contiguous if transposed else old.flags.c_contiguous)):
             e = old
         elif transposed:
             e = np.empty(like.shape[::-1], dtype=like.dtype).T

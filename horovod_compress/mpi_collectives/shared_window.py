@@ -294,8 +294,7 @@ def window_allreduce_sum(comm: Any, name: str, array: np.ndarray,
     own = window.messages[comm.rank]
     in_place = flat.size > 0 and own.__array_interface__["data"][0] == flat.__array_interface__["data"][0]
     view = out is None
-    result = (window.result.view(dtype) if view else
-              np.empty(flat.size, dtype=dtype) if out is None else out.reshape(-1))
+    result = window.result.view(dtype) if view else out.reshape(-1)
 
     def produce(own: np.ndarray) -> None:
         if not in_place:
