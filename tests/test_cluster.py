@@ -238,6 +238,10 @@ def test_bench_e2e_writes_its_tables(tmp_path):
         assert "error" not in m, (label, m)
         assert m["step_s"] > 0 and m["predicted"]["comm_s"] > 0
     assert run["methods"]["none"]["speedup"] == pytest.approx(1.0)
+    # the calls' agreement (where a rank waits for a peer still computing) is timed apart from
+    # compression and from the payload's comm, and the breakdown has its column
+    assert all(m["wait_s"] >= 0 and 0 <= m["wait_cpu_s"] for m in run["methods"].values())
+    assert "| compress / memcpy | wait | comm |" in (out / "e2e.md").read_text()
     # two rounds, the methods taking turns: each method's median is over both rounds' steps
     assert run["rounds"] == 2 and "in each of 2 rounds" in (out / "e2e.md").read_text()
     assert all(m["steps_measured"] == 2 for m in run["methods"].values())
@@ -296,7 +300,7 @@ def test_communicator_times_mpi_calls():
     assert t["total"] == pytest.approx(sum(t["by_op"].values())) and t["total"] > 0
     assert t["cpu_total"] >= 0
     comm.reset_stats()
-    assert comm.timings() == {"total": 0, "by_op": {}, "cpu_total": 0.0}
+    assert comm.timings() == {"total": 0, "by_op": {}, "cpu_total": 0.0, "cpu_by_op": {}}
 
 
 @pytest.mark.timeout(120)

@@ -74,6 +74,26 @@ def case_communicator_bytes(comm):
     return comm.stats()["sent"]
 
 
+def case_agreement_wait_is_timed_apart(comm):
+    """A call's 1-byte agreement is where a rank waits for a late peer: timed under "agree",
+    with no bytes counted, and the payload's collective after it does not wait."""
+    import time
+    method = hvdc.Compression.topk(density=0.1)
+    x = _grad(comm)
+    method.allreduce(x, "warm", comm)               # signatures known: one 1-byte allgather per call
+    comm.barrier()
+    comm.reset_stats()
+    if comm.rank == comm.size - 1:
+        time.sleep(0.3)
+    method.allreduce(x, "warm", comm)
+    t, st = comm.timings(), comm.stats()
+    assert set(st["by_op"]) == {"allgather"}, st       # the agreement counts no bytes
+    if comm.rank != comm.size - 1:
+        assert t["by_op"]["agree"] >= 0.25, t
+        assert t["total"] - t["by_op"]["agree"] < 0.2, t
+    assert t["cpu_by_op"]["agree"] <= t["cpu_total"] + 1e-9
+
+
 def case_none_bit_exact(comm):
     """`none` equals a plain MPI allreduce (sum, then / P) bit for bit."""
     from mpi4py import MPI

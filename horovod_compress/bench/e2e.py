@@ -392,8 +392,9 @@ def analyse(runs: list[dict[str, Any]], args: argparse.Namespace | None = None) 
             wait = m.get("imbalance_s", 0.0)
             step = share * work + pred.comm_s + wait
             # The comm prediction is the alpha-beta part alone: every Method.allreduce starts with a
-            # 1-byte agreement allgather outside the accounted collectives (runtime/consistency.py), so
-            # waiting for a peer's compute before the call is spent there (in compress), not in comm.
+            # 1-byte agreement allgather (runtime/consistency.py) where a rank waits for a peer still
+            # computing; runs that time it report that wait apart ("wait_s", not in comm or compress),
+            # older runs left it in compress.
             m["predicted"] = {"comm_s": pred.comm_s, "alpha_beta_s": pred.comm_s, "wait_s": wait,
                               "latency_s": pred.latency_s, "transfer_s": pred.transfer_s, "step_s": step,
                               "core_share": share, "ops": sorted(prof.ops),
@@ -578,7 +579,9 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
         lines += ["", f"## Breakdown, P = {r['world_size']}, {_fmt_bw(r['bandwidth'])}", "",
                   f"Seconds per step (mean over ranks of the median step). compress = the method's own "
                   f"computation, shown also against a memcpy of the gradient ({r['memcpy_s'] * 1e3:.1f} ms); "
-                  f"comm = time inside MPI (including waiting for other ranks). Predicted comm: the alpha-beta "
+                  f"{_wait_text(r)}"
+                  f"comm = time inside the method's collectives (including waiting for other ranks there). "
+                  f"Predicted comm: the alpha-beta "
                   f"model fitted to this run's probes, from each method's bytes per call -- latency = "
                   f"{_latency_text(r)}, transfer = bytes beyond the links' "
                   f"{r.get('burst_bytes', 0) / 1024:.0f} KiB token bucket / the rate the probe of that collective "
@@ -586,11 +589,11 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
                   f"the method's work that ran while it was on the wire). Predicted step = CPU time x the "
                   f"measured core share + predicted comm + wait (the time "
                   f"a rank waits for the slowest peer's compute and compression, measured per step).", "",
-                  "| method | step | speedup | compute | compress | compress / memcpy | comm | predicted comm: latency + transfer | comm model error | predicted step (error) | MB/step | break-even Gbit/s |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| method | step | speedup | compute | compress | compress / memcpy | wait | comm | predicted comm: latency + transfer | comm model error | predicted step (error) | MB/step | break-even Gbit/s |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for label, m in r["methods"].items():
             if "error" in m:
-                lines.append(f"| {label} | {m['error']} |" + " |" * 11)
+                lines.append(f"| {label} | {m['error']} |" + " |" * 12)
                 continue
             be = m.get("break_even_gbit", float("nan"))
             be_s = "always" if be == float("inf") else ("never" if be == 0 else f"{be:.2f}")
@@ -599,7 +602,7 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
             pr = m["predicted"]
             lines.append(f"| {label} | {m['step_s']:.3f} | {m.get('speedup', float('nan')):.2f}x | "
                          f"{m['compute_s']:.3f} | {m['compress_s']:.3f} | {m['compress_vs_memcpy']:.0f}x | "
-                         f"{m['comm_s']:.3f} | {pr.get('latency_s', 0):.3f} + {pr.get('transfer_s', 0):.3f} = {pr['comm_s']:.3f} | "
+                         f"{_fmt_wait(m)} | {m['comm_s']:.3f} | {pr.get('latency_s', 0):.3f} + {pr.get('transfer_s', 0):.3f} = {pr['comm_s']:.3f} | "
                          f"{100 * m['model_error']:+.0f}% | {pr['step_s']:.3f} ({100 * m['step_model_error']:+.0f}%) | "
                          f"{m['bytes_per_step'] / 1e6:.2f} | {be_s} |")
     checked = [(r, label, m) for r in runs if r["bandwidth"] in MODEL_CHECK for label, m in r["methods"].items()
@@ -642,6 +645,19 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
     if plot:
         lines += ["", f"![speedup against bandwidth]({plot})"]
     return "\n".join(lines + failures) + "\n"
+
+
+def _wait_text(r: dict[str, Any]) -> str:
+    """The breakdown's words for its wait column: what it holds in runs that time the agreement."""
+    if any("wait_s" in m for m in r["methods"].values()):
+        return ("wait = time in the calls' 1-byte agreement (the first collective of every call), where a "
+                "rank waits for peers still computing; ")
+    return ("wait: not timed apart in this run (before the agreement was timed; it is inside compress); ")
+
+
+def _fmt_wait(m: dict[str, Any]) -> str:
+    """A method's measured wait in the breakdown, or '-' for runs that did not time it."""
+    return f"{m['wait_s']:.3f}" if "wait_s" in m else "-"
 
 
 def _latency_text(r: dict[str, Any]) -> str:

@@ -9,7 +9,9 @@ reduced inside the backward pass, in the hooks, so
 
     step = forward + backward + exchange + optimizer update
     exchange (method.allreduce, wall)  = compression + MPI time
-    MPI time (Communicator.timings)    = communication (incl. waiting)
+    MPI time (Communicator.timings)    = wait + communication
+    wait (timings' "agree" op)         = the calls' 1-byte agreement, where a rank
+                                         waits for peers still computing
 
 and compute = step - exchange. An allreduce a method runs as the pipelined
 point-to-point ring of ``reduce_ops`` is counted as an allreduce, as always;
@@ -292,15 +294,21 @@ def _steps(comm: Any, model: Any, model_name: str, opt: Any, clock: "_ExchangeCl
         total, cpu = time.perf_counter() - t0, time.thread_time() - c0
         timings = comm.timings()
         mpi, mpi_cpu = timings["total"], timings["cpu_total"]
+        # the calls' agreement (runtime/consistency.py) is where a rank waits for peers still
+        # computing: neither the method's compression nor its payload's communication
+        wait = timings["by_op"].get("agree", 0.0)
+        wait_cpu = timings.get("cpu_by_op", {}).get("agree", 0.0)
         st = comm.stats()
         work = np.array([total - mpi])                   # this rank's compute + compression wall time
         imbalance = float(comm.allgather(work).max() - work[0])
         if step >= warm:
             ex = clock.wall
             records.append({"step_s": total, "compute_s": total - ex, "exchange_s": ex,
-                            "comm_s": mpi, "compress_s": max(ex - mpi, 0.0), "imbalance_s": imbalance,
+                            "comm_s": mpi - wait, "wait_s": wait, "wait_cpu_s": wait_cpu,
+                            "compress_s": max(ex - mpi, 0.0), "imbalance_s": imbalance,
                             "compute_cpu_s": cpu - clock.cpu,
-                            "compress_cpu_s": max(clock.cpu - mpi_cpu, 0.0), "comm_cpu_s": mpi_cpu,
+                            "compress_cpu_s": max(clock.cpu - mpi_cpu, 0.0),
+                            "comm_cpu_s": mpi_cpu - wait_cpu,
                             "sent": st["sent"], "received": st["received"],
                             "ops": {k: v for k, v in st["by_op"].items()}, "ring": ring.as_dict()})
 
@@ -310,7 +318,7 @@ def _summary(method: Any, comm: Any, records: list[dict[str, Any]]) -> dict[str,
     the pipelined ring's share (``transport``): rank 0's means over steps."""
     summary: dict[str, Any] = {"params": method.config(), "steps_measured": len(records)}
     for key in ("compute_s", "exchange_s", "comm_s", "compress_s", "compute_cpu_s", "compress_cpu_s",
-                "comm_cpu_s", "imbalance_s", "sent", "received"):
+                "comm_cpu_s", "wait_s", "wait_cpu_s", "imbalance_s", "sent", "received"):
         local = float(np.median([r[key] for r in records]))
         summary[key] = float(comm.allreduce(np.array([local]), "sum")[0]) / comm.size
     local_step = float(np.median([r["step_s"] for r in records]))

@@ -108,6 +108,7 @@ class Accounting(PhaseLabel):
         self._lock = threading.Lock()
         self._seconds: dict[str, float] = {}
         self._cpu_seconds = 0.0
+        self._cpu_by_op: dict[str, float] = {}
         self._timing_depth = threading.local()
 
     @property
@@ -136,14 +137,21 @@ class Accounting(PhaseLabel):
             self._stats = _Stats()
             self._seconds = {}
             self._cpu_seconds = 0.0
+            self._cpu_by_op = {}
 
     def timings(self) -> dict[str, Any]:
-        """Seconds this rank spent inside collectives: ``{"total": s, "by_op": {op: s}, "cpu_total": s}``.
+        """Seconds this rank spent inside collectives:
+        ``{"total": s, "by_op": {op: s}, "cpu_total": s, "cpu_by_op": {op: s}}``.
 
-        ``total`` and ``by_op`` are wall time; ``cpu_total`` is the calling
-        threads' CPU time inside the calls (polling, copies, user-defined
-        reduction operators), which lets a benchmark separate a method's own
-        CPU work from time spent waiting.
+        ``total`` and ``by_op`` are wall time; ``cpu_total`` (and
+        ``cpu_by_op``) the calling threads' CPU time inside the calls
+        (polling, copies, user-defined reduction operators), which lets a
+        benchmark separate a method's own CPU work from time spent waiting.
+        ``by_op["agree"]`` is the per-call agreement of
+        :meth:`~horovod_compress.compressors.base.Method.allreduce` (one
+        1-byte allgather, :mod:`~horovod_compress.runtime.consistency`): as
+        the first collective of a call it is where a rank waits for peers
+        still computing, and it moves no payload (no bytes are counted for it).
 
         Waiting for other ranks counts here too (a collective returns when its
         slowest participant has taken part), which is what a step loses to
@@ -152,7 +160,7 @@ class Accounting(PhaseLabel):
         """
         with self._lock:
             return {"total": sum(self._seconds.values()), "by_op": dict(self._seconds),
-                    "cpu_total": self._cpu_seconds}
+                    "cpu_total": self._cpu_seconds, "cpu_by_op": dict(self._cpu_by_op)}
 
     @contextlib.contextmanager
     def in_mpi(self, op: str) -> Iterator[None]:
@@ -173,6 +181,7 @@ class Accounting(PhaseLabel):
                 with self._lock:
                     self._seconds[op] = self._seconds.get(op, 0.0) + dt
                     self._cpu_seconds += dc
+                    self._cpu_by_op[op] = self._cpu_by_op.get(op, 0.0) + dc
 
     def _account_allgatherv(self, counts: Any, own: int, item: int) -> None:
         """Count an allgatherv of ``counts[j]`` items of ``item`` bytes from rank j (``own`` here):

@@ -12,6 +12,8 @@ non-finite gradients, on a private duplicate of the communicator.
 """
 from __future__ import annotations
 
+import contextlib
+
 import hashlib
 import threading
 import weakref
@@ -97,14 +99,23 @@ def check_comm(comm: Any) -> Any:
 
 
 def _allgather(comm: Any, mine: np.ndarray) -> np.ndarray:
-    """Allgather of a small uint8 array on the check communicator: shape ``(P, mine.size)``."""
+    """Allgather of a small uint8 array on the check communicator: shape ``(P, mine.size)``.
+
+    Timed on ``comm`` under the op ``"agree"`` (:meth:`~horovod_compress.mpi_collectives.accounting.Accounting.timings`):
+    the first collective of every call is where a rank waits for peers still
+    computing, and a benchmark reports that wait apart from compression and
+    from the payload's communication.
+    """
     dup = check_comm(comm)
+    timed = comm.in_mpi("agree") if hasattr(comm, "in_mpi") else contextlib.nullcontext()
     if dup is None:
         if not hasattr(comm, "allgather"):   # a stand-in without collectives: this rank only
             return mine.reshape(1, -1)
-        return np.asarray(comm.allgather(mine)).reshape(comm.size, mine.size)
+        with timed:
+            return np.asarray(comm.allgather(mine)).reshape(comm.size, mine.size)
     out = np.empty((dup.Get_size(), mine.size), dtype=np.uint8)
-    dup.Allgather(mine, out)
+    with timed:
+        dup.Allgather(mine, out)
     return out
 
 
