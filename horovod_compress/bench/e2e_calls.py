@@ -212,7 +212,7 @@ def record(world_sizes: list[int], methods: list[str], model_name: str, path: Pa
             proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=timeout)
             if proc.returncode != 0:
                 raise RuntimeError(f"recording call sizes at P={p} failed (exit {proc.returncode}):\n"
-                                   f"{proc.stderr[-3000:]}")
+                                   f"{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
             data.setdefault(model_name, {}).setdefault(str(p), {}).update(json.loads(Path(out).read_text()))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data))
