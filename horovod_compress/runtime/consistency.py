@@ -13,7 +13,6 @@ non-finite gradients, on a private duplicate of the communicator.
 from __future__ import annotations
 
 import contextlib
-
 import hashlib
 import threading
 import weakref
