@@ -37,9 +37,28 @@ def mpirun_command(nprocs: int) -> list[str]:
     return cmd
 
 
+#: Variables that tie a process to a running MPI job: Open MPI's singleton ``MPI_Init`` (a test or
+#: script that made a one-process Communicator) sets them in the C environment, which every child
+#: process inherits, and an ``mpirun`` started with them exits 1 without a word
+JOB_VARIABLE_PREFIXES = ("PMIX_", "PMI_", "ORTE_", "OMPI_COMM_WORLD_", "OMPI_APP_CTX", "OMPI_UNIVERSE",
+                         "OMPI_FIRST_RANKS", "OMPI_NUM_APP_CTX", "OMPI_FILE_LOCATION", "OMPI_MCA_orte_ess",
+                         "OMPI_MCA_orte_launch", "OMPI_MCA_orte_precondition", "OMPI_MCA_orte_hnp",
+                         "OMPI_MCA_ess", "OMPI_MCA_pmix")
+
+
+def launcher_free_environ() -> dict[str, str]:
+    """This process's environment without the variables of an MPI job it belongs to
+    (:data:`JOB_VARIABLE_PREFIXES`): what a new ``mpirun`` must start from. User settings
+    (``OMPI_MCA_btl``, ``OMPI_ALLOW_RUN_AS_ROOT``, ...) stay."""
+    return {k: v for k, v in os.environ.items() if not k.startswith(JOB_VARIABLE_PREFIXES)}
+
+
 def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for launching MPI ranks: one thread per rank, oversubscription allowed, quiet TF, plus ``extra``."""
-    env = dict(os.environ)
+    """The environment for launching MPI ranks: one thread per rank, oversubscription allowed, quiet TF, plus ``extra``.
+
+    Starts from :func:`launcher_free_environ`, so a launcher that belongs to an MPI job itself
+    (a one-process Communicator made earlier) still starts a fresh one."""
+    env = launcher_free_environ()
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("NUMBA_NUM_THREADS", "1")
     env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")

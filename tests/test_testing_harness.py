@@ -70,3 +70,47 @@ def test_an_import_error_fails_every_case_once(tmp_path):
     for case in ("case_a", "case_b"):
         with pytest.raises(CaseFailed, match="not_a_module_anywhere"):
             res[case]
+
+
+def test_mpi_env_drops_a_running_jobs_variables_and_keeps_user_settings(monkeypatch):
+    from horovod_compress.testing import mpi_env
+    monkeypatch.setenv("PMIX_NAMESPACE", "singleton")
+    monkeypatch.setenv("OMPI_MCA_ess", "singleton")
+    monkeypatch.setenv("OMPI_MCA_orte_ess_num_procs", "1")
+    monkeypatch.setenv("OMPI_MCA_btl", "self,vader")
+    env = mpi_env()
+    assert not {"PMIX_NAMESPACE", "OMPI_MCA_ess", "OMPI_MCA_orte_ess_num_procs"} & set(env)
+    assert env["OMPI_MCA_btl"] == "self,vader"
+
+
+@pytest.mark.timeout(120)
+def test_a_process_that_made_a_one_rank_communicator_still_launches_mpirun():
+    """Open MPI's singleton MPI_Init puts its job's variables into the C environment, which
+    children inherit; mpirun started from there exited 1 with no output (seen when a test made a
+    Communicator() in the pytest process before `hvdc bench e2e` ran)."""
+    import subprocess
+    import sys
+    launcher = textwrap.dedent("""
+        import subprocess, sys
+        from horovod_compress.testing import mpi_env, mpirun_command
+        cmd = mpirun_command(2) + [sys.executable, "-c",
+                                   "from mpi4py import MPI; print(MPI.COMM_WORLD.Get_size())"]
+        proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=90)
+        print(proc.returncode, proc.stdout.split())
+    """)
+    # a one-rank job (as pytest's own process after a Communicator()), then a launcher started
+    # from it the plain way (inheriting the C environment), as a test starts `hvdc bench e2e`
+    script = textwrap.dedent(f"""
+        import subprocess, sys
+        from mpi4py import MPI
+        assert MPI.COMM_WORLD.Get_size() == 1
+        proc = subprocess.run([sys.executable, "-c", {launcher!r}], capture_output=True, text=True,
+                              timeout=100)
+        sys.stdout.write(proc.stdout)
+        sys.stderr.write(proc.stderr)
+    """)
+    from horovod_compress.testing import mpi_env
+    proc = subprocess.run([sys.executable, "-c", script], env=mpi_env(), capture_output=True,
+                          text=True, timeout=110)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[-2] == "0 ['2', '2']", proc.stdout

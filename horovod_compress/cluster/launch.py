@@ -25,6 +25,7 @@ import os
 import stat
 from pathlib import Path
 
+from ..testing import launcher_free_environ
 from .netns import ClusterSpec, state_dir
 
 AGENT = "agent.sh"
@@ -84,7 +85,7 @@ def cluster_env(spec: ClusterSpec, ranks: int | None = None,
                 base: dict[str, str] | None = None) -> dict[str, str]:
     """The environment that makes ``mpirun`` inside host 0 use the cluster's hosts and links."""
     d = state_dir(spec.name)
-    env = dict(os.environ if base is None else base)
+    env = dict(launcher_free_environ() if base is None else base)
     threads = str(threads_per_rank(ranks or spec.hosts))
     env.update({
         "OMPI_MCA_plm_rsh_agent": str(d / AGENT),
