@@ -297,7 +297,7 @@ def _steps(comm: Any, model: Any, model_name: str, opt: Any, clock: "_ExchangeCl
         # the calls' agreement (runtime/consistency.py) is where a rank waits for peers still
         # computing: neither the method's compression nor its payload's communication
         wait = timings["by_op"].get("agree", 0.0)
-        wait_cpu = timings.get("cpu_by_op", {}).get("agree", 0.0)
+        wait_cpu = timings["cpu_by_op"].get("agree", 0.0)
         st = comm.stats()
         work = np.array([total - mpi])                   # this rank's compute + compression wall time
         imbalance = float(comm.allgather(work).max() - work[0])

@@ -574,11 +574,12 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
         thread, r = 8: 16384 x 256 3.7 ms against 10.4 ms, 4000 x 2000 7.6 against 16.5 ms;
         a memcpy of the former 3.9 ms), up to :data:`TALL_KERNEL_MAX_RANK`."""
         if transposed:
-            ct, qt = np.ascontiguousarray(c.T), np.ascontiguousarray(q.T)
-            if qt.shape[0] <= TALL_KERNEL_MAX_RANK and _kernel_ready(ct, qt):
-                out = np.empty((ct.shape[0], qt.shape[1]), dtype=ct.dtype)
-                reconstruct(ct, qt, out)
-                return out
+            if q.shape[1] <= TALL_KERNEL_MAX_RANK:       # (the r x n, m x r copies only for the kernel)
+                ct, qt = np.ascontiguousarray(c.T), np.ascontiguousarray(q.T)
+                if _kernel_ready(ct, qt):
+                    out = np.empty((ct.shape[0], qt.shape[1]), dtype=ct.dtype)
+                    reconstruct(ct, qt, out)
+                    return out
             return c.T @ q.T                              # (Q C)^T written in its own order
         if q.shape[1] <= KERNEL_MAX_RANK and _kernel_ready(q, c):
             out = np.empty((q.shape[0], c.shape[1]), dtype=q.dtype)
