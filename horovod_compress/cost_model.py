@@ -88,9 +88,12 @@ quantity, so a preset stays the textbook model):
   log-linear between the probed lengths. A call then costs
   ``rounds x alpha_op + w(g)``: the wait is once per call (the ranks arrive
   once), not once per round. ``g`` is each call's own (``StepProfile.call_gaps``,
-  the CPU work before it, recorded per call): ``w`` is concave, so a step of
-  one long gap (forward and backward) and many short ones (a low-rank method's
-  per-tensor calls) waits far less than as many calls at the mean gap.
+  the CPU work since the ranks last met, recorded per call): ``w`` is concave,
+  so a step of a few long gaps and many short ones (a low-rank method's
+  per-tensor calls) waits far less than as many calls at the mean gap. The
+  ranks also meet in every ``Method.allreduce``'s 1-byte agreement, which the
+  benchmark times apart as the step's *wait*: a bucket's first call waits only
+  for the work after it (the forward and backward pass are waited out there).
 
 To extrapolate to other P, a method's bytes per step scale with its
 algorithm's volume law (Table 1): allreduce-like volume ``(P-1)/P``
@@ -275,6 +278,13 @@ class StepProfile:
     #: previous call, or since the step began for the first), parallel to :attr:`call_bytes`,
     #: where recorded; otherwise the compression time is taken as spread evenly over the calls
     call_gaps: dict[str, list[float]] = field(default_factory=dict)
+    #: per operation, the CPU seconds of work since the previous call itself (the gap's clock
+    #: restarts where the ranks meet in a call's agreement; the links rest on through it), parallel
+    #: to :attr:`call_bytes`, where recorded; otherwise the gaps
+    call_rests: dict[str, list[float]] = field(default_factory=dict)
+    #: wall seconds per CPU second of the rank's own work: P/cores where ranks share a machine's
+    #: cores (the testbed), 1 with a core per rank; how long the links idle during a gap
+    core_share: float = 1.0
 
     def gaps_of(self, op: str, count: int, default: float) -> list[float]:
         """CPU work before each of ``count`` ``op`` calls: recorded (:attr:`call_gaps`) when it
@@ -283,6 +293,14 @@ class StepProfile:
         if recorded and len(recorded) == count and self.call_bytes.get(op):
             return list(recorded)
         return [default] * count
+
+    def rests_of(self, op: str, count: int, default: float) -> list[float]:
+        """CPU work since the call before each of ``count`` ``op`` calls (:attr:`call_rests`,
+        else :meth:`gaps_of`)."""
+        recorded = self.call_rests.get(op)
+        if recorded and len(recorded) == count and self.call_bytes.get(op):
+            return list(recorded)
+        return self.gaps_of(op, count, default)
 
     def calls_of(self, op: str) -> tuple[list[float], float]:
         """(bytes of each ``op`` call in one step, how many calls each entry stands for).
@@ -321,7 +339,7 @@ class StepProfile:
                 peers = _LAWS["tree"] if VOLUME_LAW.get(self.method) == "tree" else (lambda p: float(p - 1))
                 calls = o.calls * peers(world_size) / max(peers(self.world_size), 1e-12)
             ops[name] = OpCount(calls, o.sent * factor, o.received * factor)
-        return replace(self, world_size=world_size, ops=ops, call_bytes={}, call_gaps={})
+        return replace(self, world_size=world_size, ops=ops, call_bytes={}, call_gaps={}, call_rests={})
 
 
 @dataclass
@@ -371,14 +389,20 @@ def predict(profile: StepProfile, network: Network, world_size: int | None = Non
     ring, op :data:`RING`, takes its own ring probe's where the network has
     one, else the point-to-point probe's); ``eta_op(L)``: :meth:`Network.eta`,
     the op's rate at that message size. ``g_i``: the CPU work before call
-    ``i`` (:meth:`StepProfile.gaps_of`: recorded per call, else the profile's
+    ``i`` since the ranks last met, in a call or in a bucket's agreement
+    (:meth:`StepProfile.gaps_of`: recorded per call, else the profile's
     compression time spread evenly over its calls); ``w(g)``:
     :meth:`Network.call_wait`. The wait for peers grows with the work before
     a call and flattens out (a concave curve), so a step of a few long gaps
     and many short ones waits far less than as many calls at the mean gap.
     ``tokens_i = B`` (no bucket) on a network without ``burst_bytes``; with one,
     each direction of the rank's link has its own bucket (tbf shapes each veth end's
-    egress), which starts full and refills at ``B`` during those ``g_i`` seconds; a call
+    egress), which starts full and refills at ``B`` (in wall time, as tbf does) while
+    the link idles before the call's bytes move: ``r_i x s + latency_i``, the CPU work
+    since the previous call ``r_i`` (:meth:`StepProfile.rests_of`: ``g_i`` plus the
+    work before a bucket's agreement, where the gap's clock restarts) stretched by the
+    core share ``s`` (:attr:`StepProfile.core_share`), and the call's own wait for
+    peers and rounds; a call
     sends ``L_i * sent/max(sent, received)`` and receives ``L_i * received/max(...)``
     (the op's totals' ratio) and waits for the direction that runs out first:
     ``L_i - tokens_i`` is ``max(0, out_i - tokens_out, in_i - tokens_in)``. A root's
@@ -403,18 +427,21 @@ def predict(profile: StepProfile, network: Network, world_size: int | None = Non
         o = prof.ops[name]
         most = max(o.sent, o.received)
         share_out, share_in = (o.sent / most, o.received / most) if most > 0 else (1.0, 1.0)
-        for nbytes, gap in zip(sizes, prof.gaps_of(name, len(sizes), mean_gap)):
+        for nbytes, gap, rest in zip(sizes, prof.gaps_of(name, len(sizes), mean_gap),
+                                     prof.rests_of(name, len(sizes), mean_gap)):
             rounds = network.rounds(name, p, nbytes)
             if network.call_wait_curve:
-                op_latency += weight * (rounds * alpha + network.call_wait(gap))
+                call_latency = rounds * alpha + network.call_wait(gap)
             elif network.round_latency > 0:
-                op_latency += weight * rounds * max(alpha, network.round_latency)
+                call_latency = rounds * max(alpha, network.round_latency)
             else:
-                op_latency += weight * max(rounds * alpha, network.call_latency)
+                call_latency = max(rounds * alpha, network.call_latency)
+            op_latency += weight * call_latency
             if bucket > 0:
                 out_bytes, in_bytes = nbytes * share_out, nbytes * share_in
-                tokens_out = min(bucket, tokens_out + rate * gap)
-                tokens_in = min(bucket, tokens_in + rate * gap)
+                idle = rest * prof.core_share + call_latency    # wall seconds the link rests
+                tokens_out = min(bucket, tokens_out + rate * idle)
+                tokens_in = min(bucket, tokens_in + rate * idle)
                 waiting = max(0.0, out_bytes - tokens_out, in_bytes - tokens_in)
                 tokens_out = max(0.0, tokens_out - out_bytes)
                 tokens_in = max(0.0, tokens_in - in_bytes)

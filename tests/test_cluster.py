@@ -249,12 +249,14 @@ def test_bench_e2e_writes_its_tables(tmp_path):
     calls = json.loads((out / "e2e_calls.json").read_text())["tiny"]["2"]
     assert set(calls) == {"none", "topk", "oktopk"}
     assert all(m["predicted"]["call_sizes"] == "recorded" for m in run["methods"].values() if m["ops"])
-    # ... with the CPU work before each call beside each call's size
+    # ... with the CPU work before each call (since the ranks last met, and since the previous
+    # call itself: the links rest through a bucket's agreement) beside each call's size
     for label, ops in calls.items():
         for op, sizes in ops.items():
-            if not op.endswith("@gap_s"):
-                gaps = ops[op + "@gap_s"]
-                assert len(gaps) == len(sizes) and all(g >= 0 for g in gaps), (label, op)
+            if "@" not in op:
+                gaps, rests = ops[op + "@gap_s"], ops[op + "@rest_s"]
+                assert len(gaps) == len(rests) == len(sizes), (label, op)
+                assert all(0 <= g <= r + 1e-9 for g, r in zip(gaps, rests)), (label, op, gaps, rests)
     # every collective and the pipelined ring were probed at several sizes: a rate per message size
     for op in ("allreduce", "allgather", "p2p", "ring"):
         curve = run["link"][op]["efficiency_curve"]

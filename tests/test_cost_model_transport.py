@@ -273,3 +273,24 @@ def test_each_direction_of_a_link_has_its_own_token_bucket():
     both = StepProfile("x", 2, 0.1, 0.0, {"allgather": OpCount(1, k, k)}, call_bytes={"allgather": [k]},
                        call_gaps={"allgather": [1.0]})
     assert predict(both, net).transfer_s == pytest.approx((k - burst) / BPS)
+
+
+def test_a_bucket_refills_in_wall_time_the_link_rests():
+    """tbf adds tokens with the clock: between two calls the link rests for the rank's CPU work
+    stretched by the core share, plus the second call's own latency (waiting for peers, rounds)."""
+    burst = 262144.0
+    half = burst / 2 / BPS                     # seconds that refill half the bucket
+    sizes, gaps = [burst, burst], [0.0, half]   # the first call drains the bucket
+    def profile(share: float) -> StepProfile:
+        return StepProfile("m", 2, 0.1, half, {"allgather": OpCount(2, 2 * burst, 2 * burst)},
+                           call_bytes={"allgather": sizes}, call_gaps={"allgather": gaps}, core_share=share)
+    flat = Network("t", 0.0, RATE, efficiency={"allgather": 1.0}, burst_bytes=burst)
+    assert predict(profile(1.0), flat).transfer_s == pytest.approx((burst / 2) / BPS)
+    assert predict(profile(2.0), flat).transfer_s == pytest.approx(0.0)      # two ranks a core: full again
+    # the call's latency rests the link too: a quarter bucket more at one rank per core
+    slow = Network("t", 0.0, RATE, efficiency={"allgather": 1.0}, burst_bytes=burst,
+                   op_alpha={"allgather": half / 2})
+    rounds = slow.rounds("allgather", 2, burst)
+    assert rounds == 1
+    assert predict(profile(1.0), slow).transfer_s == pytest.approx((burst / 4) / BPS)
+    assert predict(profile(1.0), slow).latency_s == pytest.approx(2 * half / 2)

@@ -249,47 +249,47 @@ def case_checkpoint_roundtrip(comm):
     into another method fails; a .keras file loads with a plain Keras optimizer."""
     r = comm.rank
     x, y = _shard(comm, 96, seed=3)
-    tmp = tempfile.mkdtemp(prefix=f"hvdc-keras-rank{r}-")
-    path = os.path.join(tmp, f"ckpt-rank{r}.weights.h5")
-    model_a, opt_a = _compiled(0, hvdc.Compression.topk(density=0.1), comm)
-    model_a.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    model_a.save_weights(path)
-    saved = opt_a.compression.state_dict()
-    assert saved["state"]["bucket0"]["t"] == 6
-    assert np.abs(saved["state"]["bucket0"]["fb_residual"]).sum() > 0
-    model_a.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    with tempfile.TemporaryDirectory(prefix=f"hvdc-keras-rank{r}-") as tmp:
+        path = os.path.join(tmp, f"ckpt-rank{r}.weights.h5")
+        model_a, opt_a = _compiled(0, hvdc.Compression.topk(density=0.1), comm)
+        model_a.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+        model_a.save_weights(path)
+        saved = opt_a.compression.state_dict()
+        assert saved["state"]["bucket0"]["t"] == 6
+        assert np.abs(saved["state"]["bucket0"]["fb_residual"]).sum() > 0
+        model_a.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
 
-    model_b, opt_b = _compiled(7, hvdc.Compression.topk(density=0.1), comm)
-    opt_b.build(model_b.trainable_variables)
-    model_b.load_weights(path)
-    got = opt_b.compression.state_dict()
-    assert got["config"] == saved["config"] and got["state"]["bucket0"]["t"] == 6
-    assert np.array_equal(got["state"]["bucket0"]["fb_residual"], saved["state"]["bucket0"]["fb_residual"])
-    assert int(opt_b.iterations.numpy()) == 6
-    model_b.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
-    for wa, wb in zip(model_a.get_weights() + [v.numpy() for v in opt_a.variables],
-                      model_b.get_weights() + [v.numpy() for v in opt_b.variables]):
-        assert np.array_equal(wa, wb)
-    assert np.array_equal(opt_a.compression.state["bucket0"]["fb_residual"],
-                          opt_b.compression.state["bucket0"]["fb_residual"])
+        model_b, opt_b = _compiled(7, hvdc.Compression.topk(density=0.1), comm)
+        opt_b.build(model_b.trainable_variables)
+        model_b.load_weights(path)
+        got = opt_b.compression.state_dict()
+        assert got["config"] == saved["config"] and got["state"]["bucket0"]["t"] == 6
+        assert np.array_equal(got["state"]["bucket0"]["fb_residual"], saved["state"]["bucket0"]["fb_residual"])
+        assert int(opt_b.iterations.numpy()) == 6
+        model_b.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+        for wa, wb in zip(model_a.get_weights() + [v.numpy() for v in opt_a.variables],
+                          model_b.get_weights() + [v.numpy() for v in opt_b.variables]):
+            assert np.array_equal(wa, wb)
+        assert np.array_equal(opt_a.compression.state["bucket0"]["fb_residual"],
+                              opt_b.compression.state["bucket0"]["fb_residual"])
 
-    model_c, opt_c = _compiled(7, hvdc.Compression.randk(density=0.1), comm)
-    opt_c.build(model_c.trainable_variables)
-    try:
-        model_c.load_weights(path)
-    except ValueError as exc:
-        assert "topk" in str(exc), str(exc)
-    else:
-        raise AssertionError("restoring topk state into randk must fail")
+        model_c, opt_c = _compiled(7, hvdc.Compression.randk(density=0.1), comm)
+        opt_c.build(model_c.trainable_variables)
+        try:
+            model_c.load_weights(path)
+        except ValueError as exc:
+            assert "topk" in str(exc), str(exc)
+        else:
+            raise AssertionError("restoring topk state into randk must fail")
 
-    keras_path = os.path.join(tmp, "model.keras")
-    model_a.save(keras_path)
-    loaded = keras.saving.load_model(keras_path)
-    assert type(loaded.optimizer) is keras.optimizers.SGD
-    assert all(np.array_equal(a, b) for a, b in zip(loaded.get_weights(), model_a.get_weights()))
-    assert all(np.array_equal(a.numpy(), b.numpy())
-               for a, b in zip(loaded.optimizer.variables, opt_a.variables))
-    return True
+        keras_path = os.path.join(tmp, "model.keras")
+        model_a.save(keras_path)
+        loaded = keras.saving.load_model(keras_path)
+        assert type(loaded.optimizer) is keras.optimizers.SGD
+        assert all(np.array_equal(a, b) for a, b in zip(loaded.get_weights(), model_a.get_weights()))
+        assert all(np.array_equal(a.numpy(), b.numpy())
+                   for a, b in zip(loaded.optimizer.variables, opt_a.variables))
+        return True
 
 
 # -------------------------------------------------------------------- accumulation

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cost_model import PROBE_OF, RING, OpCount, StepProfile, break_even_bandwidth, fit_link, predict
-from .e2e_calls import GAP_SUFFIX
+from .e2e_calls import GAP_SUFFIX, REST_SUFFIX
 
 DEFAULT_BANDWIDTHS = ("100mbit", "1gbit", "10gbit")
 SHM = "shm"
@@ -266,11 +266,12 @@ def run(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------- analysis
 def profile_of(label: str, m: dict[str, Any], p: int,
-               calls: dict[str, list[float]] | None = None) -> StepProfile:
+               calls: dict[str, list[float]] | None = None, share: float = 1.0) -> StepProfile:
     """The method's step as the model sees it: CPU time of compute and compression (what they cost
     on a rank with a core of its own), bytes and calls per operation, and where ``calls`` (recorded by
     :mod:`.e2e_calls`) has as many calls of an op as measured, each call's size (the recorded sizes
-    rescaled to the measured bytes) and the CPU work before it.
+    rescaled to the measured bytes) and the CPU work before it; ``share``: wall seconds per CPU
+    second of the rank's work where ranks share cores (how long the links rest between calls).
 
     Bytes the worker saw cross the links on another transport than the op's own (``m["transport"]``:
     an allreduce run as the pipelined point-to-point ring) move from that op to the transport's op
@@ -290,7 +291,7 @@ def profile_of(label: str, m: dict[str, Any], p: int,
             del ops[t["of"]]
         ops[name] = OpCount(t["calls"], t["sent"], t["received"])
         overlap[name] = float(t.get("work_s", 0.0))
-    sizes, gaps = {}, {}
+    sizes, gaps, rests = {}, {}, {}
     for op, v in (calls or {}).items():
         o = ops.get(op)
         if o is None or len(v) != round(o.calls):
@@ -304,15 +305,18 @@ def profile_of(label: str, m: dict[str, Any], p: int,
         recorded = (calls or {}).get(op + GAP_SUFFIX)
         if recorded and len(recorded) == len(v):
             gaps[op] = [float(g) for g in recorded]
+        recorded = (calls or {}).get(op + REST_SUFFIX)
+        if recorded and len(recorded) == len(v):
+            rests[op] = [float(g) for g in recorded]
     return StepProfile(label.split("(")[0], p, m["compute_cpu_s"], m["compress_cpu_s"], ops, call_bytes=sizes,
-                       overlap_s=overlap, call_gaps=gaps)
+                       overlap_s=overlap, call_gaps=gaps, call_rests=rests, core_share=share)
 
 
 def _has_calls(recorded: dict[str, Any], label: str) -> bool:
     """Whether ``recorded`` (one P of the call log) has ``label``'s calls with their CPU gaps
     (a log written before the gaps were recorded is recorded again)."""
     calls = recorded.get(label)
-    return calls is not None and (not calls or any(k.endswith(GAP_SUFFIX) for k in calls))
+    return calls is not None and (not calls or any(k.endswith(REST_SUFFIX) for k in calls))
 
 
 def _label(spec: str) -> str:
@@ -332,6 +336,14 @@ def _calls_path(args: argparse.Namespace | None) -> Path:
 def core_share(world_size: int, cores: int) -> float:
     """How many ranks share a core: a rank's CPU work takes this many times its CPU time in wall time."""
     return max(1.0, world_size / max(cores, 1))
+
+
+def measured_share(m: dict[str, Any], p: int, run: dict[str, Any]) -> float:
+    """The core share as the scheduler really gave it: wall / CPU time of the method's forward and
+    backward pass (:func:`core_share` of P and the cores where the run has no CPU time)."""
+    if m.get("compute_cpu_s", 0) > 0:
+        return max(1.0, m["compute_s"] / m["compute_cpu_s"])
+    return core_share(p, run.get("cores", 1))
 
 
 def analyse(runs: list[dict[str, Any]], args: argparse.Namespace | None = None) -> dict[str, Any]:
@@ -375,19 +387,18 @@ def analyse(runs: list[dict[str, Any]], args: argparse.Namespace | None = None) 
         r["burst_bytes"] = burst
         run_calls = all_calls.get(r.get("model", ""), {}).get(str(p), {})
         dense = r["methods"].get("none")
-        dense_prof = profile_of("none", dense, p, run_calls.get("none")) if dense and "error" not in dense else None
+        dense_prof = profile_of("none", dense, p, run_calls.get("none"), measured_share(dense, p, r)) \
+            if dense and "error" not in dense else None
         for label, m in r["methods"].items():
             if "error" in m:
                 continue
-            prof = profile_of(label, m, p, run_calls.get(label))
-            pred = predict(prof, fitted)
             # On the testbed P ranks share the machine's cores: each rank's CPU work
-            # stretches by the share, and a rank waits in MPI for peers still computing.
-            # The measured stretch (wall / CPU time of the forward/backward pass) is the
-            # core share as the scheduler really gave it; ranks wait for the slowest
+            # stretches by the share (and the links rest that long between calls), and a
+            # rank waits in MPI for peers still computing. Ranks wait for the slowest
             # peer's compute and compression (imbalance, measured per step).
-            share = max(1.0, m["compute_s"] / m["compute_cpu_s"]) if m["compute_cpu_s"] > 0 else \
-                core_share(p, r.get("cores", 1))
+            share = measured_share(m, p, r)
+            prof = profile_of(label, m, p, run_calls.get(label), share)
+            pred = predict(prof, fitted)
             work = m["compute_cpu_s"] + m["compress_cpu_s"]
             wait = m.get("imbalance_s", 0.0)
             step = share * work + pred.comm_s + wait
@@ -584,8 +595,9 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
                   f"Predicted comm: the alpha-beta "
                   f"model fitted to this run's probes, from each method's bytes per call -- latency = "
                   f"{_latency_text(r)}, transfer = bytes beyond the links' "
-                  f"{r.get('burst_bytes', 0) / 1024:.0f} KiB token bucket / the rate the probe of that collective "
-                  f"carried (an allreduce a method runs as its own pipelined ring: the point-to-point probe's, less "
+                  f"{r.get('burst_bytes', 0) / 1024:.0f} KiB token bucket (refilled while the link rests between "
+                  f"calls: the work since the previous call x the core share, and the call's latency) / the rate "
+                  f"the probe of that collective carried (an allreduce a method runs as its own pipelined ring: the point-to-point probe's, less "
                   f"the method's work that ran while it was on the wire). Predicted step = CPU time x the "
                   f"measured core share + predicted comm + wait (the time "
                   f"a rank waits for the slowest peer's compute and compression, measured per step).", "",
@@ -669,7 +681,8 @@ def _latency_text(r: dict[str, Any]) -> str:
                 f"measured between bursts of CPU work)")
     return ("rounds of the algorithm MPI runs x alpha + the mean wait for peers per call measured between "
             "bursts of CPU work (" + ", ".join(f"{f:.0f} us after {w / 1e3:.2g} ms" for w, f in curve) +
-            " of CPU work; read at each method's own spacing of calls)")
+            " of CPU work; read at the work before each of the method's calls since the ranks last met, "
+            "in a call or in a bucket's agreement)")
 
 
 def plot(report: dict[str, Any], path: Path) -> None:

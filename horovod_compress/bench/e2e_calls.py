@@ -16,7 +16,7 @@ point-to-point ring of ``reduce_ops`` is logged under the op ``ring``
 
 :func:`record` runs it for several P and merges the result into one JSON file
 ``{"<model>": {"<P>": {"<method label>": {"<op>": [bytes per call, ...],
-"<op>@gap_s": [CPU seconds of work before each call, ...]}}}}``.
+"<op>@gap_s": [CPU seconds of work before each call, ...], "<op>@rest_s": [...]}}}}``.
 """
 from __future__ import annotations
 
@@ -38,8 +38,12 @@ RING_OP = "ring"
 #: cross the links as eager point-to-point segments (Global-QSGD's 8-bit codes, the 16-bit casts).
 RING_FUNCTIONS = ("ring_reduce_once", "ring_reduce_once_items")
 _CALLBACKS = ("produce", "reduce", "consume")
+#: The op under which ``runtime.consistency`` times every call's 1-byte agreement (not counted as a call)
+AGREE_OP = "agree"
 #: Key suffix of the per-call CPU gaps beside an op's per-call sizes (``"allreduce@gap_s"``).
 GAP_SUFFIX = "@gap_s"
+#: Key suffix of the CPU work since the previous call itself, agreements included (``"allreduce@rest_s"``)
+REST_SUFFIX = "@rest_s"
 
 
 class RingTransport:
@@ -126,42 +130,61 @@ RECORD_STEPS = 4
 
 def call_sizes(methods: list[str], model_name: str, comm: Any,
                steps: int = RECORD_STEPS) -> dict[str, dict[str, list[float]]]:
-    """``{label: {op: [max(sent, received) of each call], op + GAP_SUFFIX: [CPU s before each call]}}``
-    of the last of ``steps`` training steps.
+    """``{label: {op: [max(sent, received) of each call], op + GAP_SUFFIX: [CPU s before each call],
+    op + REST_SUFFIX: [CPU s since the previous call]}}`` of the last of ``steps`` training steps.
 
     The gap before a call is this rank's CPU time outside MPI since the
     previous call returned: the method's own work between its calls, which
     decides how long a call waits for peers when ranks share cores
-    (``cost_model.Network.call_wait``). With ``overlap=False`` the buckets are
-    reduced inside the backward pass's hooks, so the step's first call
-    follows the clock's restart before the previous step's ``opt.step()``:
-    its gap holds that update, this step's forward pass and the backward pass
-    up to the first full bucket (0.2-0.3 s on the Transformer here) -- the
-    CPU work over which the ranks drift apart since they last met. CPU time, so the
-    recording on an oversubscribed machine is not stretched by the core share.
+    (``cost_model.Network.call_wait``). CPU time, so the recording on an
+    oversubscribed machine is not stretched by the core share.
+
+    Every ``Method.allreduce`` starts with a 1-byte agreement allgather
+    (``runtime.consistency``, timed under the op ``agree`` and reported as the
+    step's *wait*, not as its comm): the ranks meet there, so the clock
+    restarts when it returns, and the gap of a bucket's first call is only the
+    method's work between the agreement and that call. The forward and
+    backward pass before it (0.2-0.3 s of CPU on the Transformer here, over
+    which the ranks drift apart) is waited out in the agreement, measured apart.
+    The links, though, rest from one call to the next, agreement or not: the
+    *rest* before a call is the CPU work since the previous call itself (the
+    time a shaped link's token bucket refills, ``cost_model.predict``).
     """
     import torch
 
     from ..compressors.registry import create
     from ..torch.optimizer import DistributedOptimizer
     from .e2e_models import build_model, synthetic_batch
-    log: list[tuple[str, float, float]] = []
+    log: list[tuple[str, float, float, float]] = []
     inner = comm._account
     ring = RingTransport()
-    clock = [0.0, 0.0]      # this thread's CPU time and its CPU time inside MPI at the last call
+    clock = [0.0, 0.0]      # this thread's CPU time and its CPU time inside MPI when the ranks last met
+    rest_clock = [0.0, 0.0]  # the same at the last call (not restarted by an agreement)
 
-    def restart_clock() -> None:
+    def restart_clock(agreement: bool = False) -> None:
         clock[:] = [time.thread_time(), comm.timings()["cpu_total"]]
+        if not agreement:
+            rest_clock[:] = clock
 
     def account(op: str, sent: float, received: float) -> None:
         # CPU work outside MPI since the previous call (a call is counted after it returns)
         cpu, in_mpi = time.thread_time(), comm.timings()["cpu_total"]
         gap = max(0.0, (cpu - clock[0]) - (in_mpi - clock[1]))
-        clock[:] = [cpu, in_mpi]
+        rest = max(0.0, (cpu - rest_clock[0]) - (in_mpi - rest_clock[1]))
+        clock[:] = rest_clock[:] = [cpu, in_mpi]
         # an allreduce the pipelined ring carried is logged under the ring's op (the model's RING)
-        log.append((RING_OP if op == "allreduce" and ring.inside else op, max(sent, received), gap))
+        log.append((RING_OP if op == "allreduce" and ring.inside else op, max(sent, received), gap, rest))
         inner(op, sent, received)
     comm._account = account
+    plain_in_mpi = comm.in_mpi
+
+    @contextlib.contextmanager
+    def restarting_after_agreement(op: str) -> Iterator[None]:
+        with plain_in_mpi(op):
+            yield
+        if op == AGREE_OP:      # the ranks just met: the next call's wait is for work since here
+            restart_clock(agreement=True)
+    comm.in_mpi = restarting_after_agreement
     out: dict[str, dict[str, list[float]]] = {}
     stack = contextlib.ExitStack()
     stack.enter_context(ring.installed())
@@ -183,16 +206,18 @@ def call_sizes(methods: list[str], model_name: str, comm: Any,
                 x, y = synthetic_batch(model_name, comm.rank, step)
                 opt.zero_grad()
                 model.loss(x, y).backward()
-                restart_clock()         # the next step's first gap starts here (see the docstring)
+                restart_clock()         # a call before any agreement counts its work from here
                 opt.step()
             opt.close()
             calls: dict[str, list[float]] = {}
-            for op, nbytes, gap in log:
+            for op, nbytes, gap, rest in log:
                 calls.setdefault(op, []).append(float(nbytes))
                 calls.setdefault(op + GAP_SUFFIX, []).append(float(gap))
+                calls.setdefault(op + REST_SUFFIX, []).append(float(rest))
             out[label] = calls
     finally:
         comm._account = inner
+        del comm.in_mpi
         stack.close()
     return out
 
