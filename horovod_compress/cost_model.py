@@ -214,6 +214,23 @@ def _log_linear(curve: Sequence[tuple[float, float]], x: float) -> float:
     return curve[-1][1]
 
 
+def _median_of_three(curve: Sequence[tuple[float, float]]) -> tuple[tuple[float, float], ...]:
+    """``curve`` with each inner point's value replaced by the median of it and its two
+    neighbours' (the ends kept).
+
+    A rate probe at one size can hit a stall the calls around it did not (one
+    run's 2 MiB allgatherv at P = 2 took 48 ms in 3 of 5 repeats, where the
+    allgather of the same bytes took 17 ms and its own 1 and 8 MiB probes ran
+    at 0.83 and 0.91 of the link): a single point off both neighbours is taken
+    as that, while a monotone trend (the allgather's rate falling with size on
+    100 Mbit) passes unchanged.
+    """
+    pts = list(curve)
+    out = [pts[0]] + [(pts[i][0], sorted((pts[i - 1][1], pts[i][1], pts[i + 1][1]))[1])
+                      for i in range(1, len(pts) - 1)] + ([pts[-1]] if len(pts) > 1 else [])
+    return tuple(out)
+
+
 def _log2(p: int) -> float:
     return math.log2(p) if p > 1 else 0.0
 
@@ -513,9 +530,13 @@ def fit_link(nominal_bandwidth: float, probes: Mapping[str, tuple[float, float, 
     wait for peers per call, ``Network.call_wait_curve``, which :func:`predict`
     reads at each method's own spacing of calls.
     ``size_probes[op]``: further ``(bytes per rank, seconds)`` calls of ``op`` at
-    other message sizes; each gives an eta as the large one does (a size within
-    the token bucket says nothing about the rate and is left out), and together
+    other message sizes; each gives an eta as the large one does, and together
     they make ``Network.efficiency_curve[op]``, eta against the bytes of a call.
+    A size that moves fewer bytes beyond the token bucket than the bucket holds
+    is left out: its time is mostly latency and scheduling, and a probe 8 bytes
+    past a 256 KiB bucket gave eta = 0.0001, which priced every call just above
+    the bucket at a crawl. The curve is then median-filtered over each three
+    neighbouring sizes (:func:`_median_of_three`).
     """
     shape = Network("", 0.0, nominal_bandwidth, ring_from=ring_from)
     op_alpha: dict[str, float] = {}
@@ -534,10 +555,10 @@ def fit_link(nominal_bandwidth: float, probes: Mapping[str, tuple[float, float, 
         eff[op] = eta(nbytes, t_large)
         points = {float(nbytes): eff[op]}
         for b, t in (size_probes or {}).get(op, ()):
-            if b > burst_bytes and b != nbytes:
+            if b >= 2 * burst_bytes and b != nbytes:
                 points[float(b)] = eta(b, t)
         if len(points) > 1:
-            curves[op] = tuple(sorted(points.items()))
+            curves[op] = _median_of_three(sorted(points.items()))
     alpha = op_alpha.get("allreduce", min(op_alpha.values()) if op_alpha else 0.0)
     round_latency = 0.0
     curve: tuple[tuple[float, float], ...] = ()

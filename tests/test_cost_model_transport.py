@@ -294,3 +294,26 @@ def test_a_bucket_refills_in_wall_time_the_link_rests():
     assert rounds == 1
     assert predict(profile(1.0), slow).transfer_s == pytest.approx((burst / 4) / BPS)
     assert predict(profile(1.0), slow).latency_s == pytest.approx(2 * half / 2)
+
+
+def test_rate_curve_skips_sizes_barely_past_the_bucket_and_one_off_stalls():
+    burst = 262144.0
+    t_small = 2e-5
+
+    def took(nbytes: float, eta: float) -> float:
+        return t_small + (nbytes - burst) / (eta * BPS)
+    probes = {"allgatherv": (t_small, took(8388616.0, 0.91), 8388616.0, 2)}
+    sizes = [(262152.0, 0.66e-3),                 # 8 bytes past the bucket: eta 0.0001 if kept
+             (524296.0, took(524296.0, 0.76)), (1048584.0, took(1048584.0, 0.83)),
+             (2097160.0, took(2097160.0, 0.30))]  # a stall the neighbouring sizes did not have
+    net = fit_link(RATE, probes, ring_from=65536, burst_bytes=burst, size_probes={"allgatherv": sizes})
+    curve = dict(net.efficiency_curve["allgatherv"])
+    assert 262152.0 not in curve                                   # beyond-bucket bytes < the bucket
+    assert curve[524296.0] == pytest.approx(0.76)                  # an end: kept
+    assert curve[1048584.0] == pytest.approx(0.76)                 # median(0.76, 0.83, 0.30)
+    assert curve[2097160.0] == pytest.approx(0.83)                 # median(0.83, 0.30, 0.91)
+    assert curve[8388616.0] == pytest.approx(0.91)
+    # a monotone trend (the allgather's rate falling with size on 100 Mbit) passes unchanged
+    falling = [(393e3, 0.76), (786e3, 0.71), (1.57e6, 0.66), (3.1e6, 0.59), (12.6e6, 0.51)]
+    from horovod_compress.cost_model import _median_of_three
+    assert _median_of_three(falling) == tuple(falling)
