@@ -428,6 +428,11 @@ def predict(profile: StepProfile, network: Network, world_size: int | None = Non
     ``W_op``: :attr:`StepProfile.overlap_s`, the method's work that runs
     while the op's bytes are on the wire (0 for MPI's own collectives); what it
     covers comes off the transfer first, then off the latency.
+
+    A tree reduction (a method whose volume law is ``"tree"``, gTop-k) adds
+    :func:`tree_dependency_wait` to the latency: the ranks that leave the tree
+    early wait in the final broadcast for the merges and transfers of the
+    levels after them, work that is not theirs.
     """
     prof = profile.scaled(world_size or profile.world_size)
     p = prof.world_size
@@ -438,6 +443,7 @@ def predict(profile: StepProfile, network: Network, world_size: int | None = Non
     bucket = network.burst_bytes
     tokens_out = tokens_in = bucket          # each direction of a rank's link has its own bucket
     latency = transfer = 0.0
+    call_transfers: dict[str, list[float]] = {}
     for name, (sizes, weight) in per_op.items():
         alpha = _per_op(network.op_alpha, name, network.alpha)
         op_latency = op_transfer = 0.0
@@ -464,14 +470,49 @@ def predict(profile: StepProfile, network: Network, world_size: int | None = Non
                 tokens_in = max(0.0, tokens_in - in_bytes)
             else:
                 waiting = nbytes
-            op_transfer += waiting / (network.eta(name, nbytes) * rate)
+            seconds = waiting / (network.eta(name, nbytes) * rate)
+            call_transfers.setdefault(name, []).append(seconds)
+            op_transfer += seconds
         hidden = prof.overlap_s.get(name, 0.0)
         cut = min(hidden, op_transfer)
         op_transfer -= cut
         op_latency -= min(hidden - cut, op_latency)
         latency += op_latency
         transfer += op_transfer
+    if VOLUME_LAW.get(prof.method) == "tree":
+        latency += tree_dependency_wait(prof, call_transfers.get("p2p", []))
     return Prediction(prof.compute_s, prof.compress_s, latency, transfer)
+
+
+def tree_dependency_wait(profile: StepProfile, level_transfers: Sequence[float]) -> float:
+    """Mean over ranks of the time a rank waits in gTop-k's final broadcast for work that is
+    not its own (gTop-k, Shi et al., ICDCS'19, as "Near-Optimal Sparse Allreduce for
+    Distributed Deep Learning" lists it in Table 1: a binomial reduction tree that
+    re-selects the top k at every level, then rank 0 broadcasts;
+    ``mpi_collectives.sparse_allreduce_baselines.gtopk_allreduce``).
+
+    At level ``l = 0 .. L-1`` (``L = log2 P``) a fraction ``2^-(l+1)`` of the
+    ranks sends its top-k and leaves the tree; it then waits for the
+    receivers' merge (top-k of the sum) at level ``l`` and every later level
+    and for the later levels' transfers:
+
+        wait = sum_l 2^-(l+1) * (sum_{j >= l} m_j * s + sum_{j > l} t_j)
+
+    ``m_j``: the root's CPU work after its level-``j`` receive (its recorded
+    gaps: before the next receive, and before the broadcast after the last
+    level); ``s``: the core share; ``t_j``: the predicted transfer of the
+    root's level-``j`` receive. 0 without recorded gaps (an extrapolation to
+    another P): the merges are then unknown.
+    """
+    p = profile.world_size
+    levels = math.ceil(_log2(p))
+    receives = profile.call_gaps.get("p2p", [])
+    broadcasts = profile.call_gaps.get("broadcast", [])
+    if levels == 0 or len(receives) != levels or not broadcasts:
+        return 0.0
+    merges = [g * profile.core_share for g in receives[1:] + broadcasts[:1]]
+    transfers = list(level_transfers) if len(level_transfers) == levels else [0.0] * levels
+    return sum(2.0 ** -(lv + 1) * (sum(merges[lv:]) + sum(transfers[lv + 1:])) for lv in range(levels))
 
 
 def speedup(profile: StepProfile, dense: StepProfile, network: Network,

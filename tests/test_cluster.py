@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -290,6 +291,19 @@ def test_bench_e2e_writes_its_tables(tmp_path):
     cells = [c.strip() for c in rows["oktopk"].split("|")[2:-1]]
     assert len(cells) == 2 and all(c.endswith(("Gbit/s", "any", "never")) for c in cells), cells
     assert (out / "model.png").stat().st_size > 1000
+    # --rerender analyses the same measurements again (no cluster) and says so under the header
+    again = tmp_path / "again"
+    again.mkdir()
+    shutil.copy(out / "e2e_calls.json", again / "e2e_calls.json")
+    proc = subprocess.run([sys.executable, "-m", "horovod_compress.cli", "bench", "e2e", "--rerender",
+                           str(out / "e2e.json"), "--out", str(again)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    redone = json.loads((again / "e2e.json").read_text())
+    assert redone["when"] == report["when"] and redone["commit"] == report["commit"]
+    assert redone["runs"][0]["methods"]["oktopk"]["comm_s"] == run["methods"]["oktopk"]["comm_s"]
+    assert redone["runs"][0]["methods"]["oktopk"]["predicted"] == run["methods"]["oktopk"]["predicted"]
+    assert "Analysed again (`--rerender`, the same measurements)" in (again / "e2e.md").read_text()
 
 
 def test_communicator_times_mpi_calls():

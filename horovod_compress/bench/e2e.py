@@ -177,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     if args.rerender:
         olds = [json.loads(Path(f).read_text()) for f in args.rerender]
         report = analyse([r for old in olds for r in old["runs"]], args)
+        report["analysed"] = f"{report['when']} with the cost model at commit `{report['commit']}`"
         for key in ("when", "command", "machine", "versions", "commit"):
             values = [old[key] for old in olds if key in old]
             if values:
@@ -508,7 +509,9 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
     first = runs[0]
     lines = [f"# Whole training steps on shaped links (`hvdc bench e2e`)", "",
              f"Measured {report['when']} with `{report['command'].strip()}` on {report['machine']}; "
-             f"{report['versions']}; source at commit `{report.get('commit', 'unknown')}`.", "",
+             f"{report['versions']}; source at commit `{report.get('commit', 'unknown')}`."
+             + (f" Analysed again (`--rerender`, the same measurements) {report['analysed']}."
+                if report.get("analysed") else ""), "",
              f"Model `{first['model']}`: {first['parameters'] / 1e6:.2f}M parameters in {first['tensors']} tensors, "
              f"synthetic inputs. One rank per emulated host, {first['threads_per_rank']} thread(s) per rank "
              f"(the machine's cores shared out), `overlap=False` so the parts add up, warm-up steps off "
