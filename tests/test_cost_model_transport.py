@@ -317,3 +317,20 @@ def test_rate_curve_skips_sizes_barely_past_the_bucket_and_one_off_stalls():
     falling = [(393e3, 0.76), (786e3, 0.71), (1.57e6, 0.66), (3.1e6, 0.59), (12.6e6, 0.51)]
     from horovod_compress.cost_model import _median_of_three
     assert _median_of_three(falling) == tuple(falling)
+
+
+def test_hvdc_model_gives_every_method_the_same_forward_and_backward():
+    """The same model on the same batches: the methods' passes differ only by noise, which must not
+    rank them (a method whose pass ran faster than dense's would win "at any bandwidth")."""
+    from horovod_compress.bench.model_cmd import common_forward_backward
+    from horovod_compress.cost_model import break_even_bandwidth
+    ops = {"allgather": OpCount(1, 1e6, 1e6)}
+    dense = StepProfile("none", 4, 0.43, 0.02, {"allreduce": OpCount(1, 7e7, 7e7)})
+    lucky = StepProfile("topk", 4, 0.39, 0.05, ops)      # its pass happened to run 40 ms faster
+    other = StepProfile("oktopk", 4, 0.41, 0.05, ops)
+    net = Network("t", 2e-5, 10e9)
+    assert math.isinf(break_even_bandwidth(lucky, dense, net))          # "any": noise as a result
+    same = common_forward_backward({"none": dense, "topk": lucky, "oktopk": other})
+    assert {p.compute_s for p in same.values()} == {0.41}
+    assert same["topk"].compress_s == 0.05 and same["topk"].ops == ops
+    assert not math.isinf(break_even_bandwidth(same["topk"], same["none"], net))
