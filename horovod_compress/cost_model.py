@@ -553,9 +553,15 @@ def fit_link(nominal_bandwidth: float, probes: Mapping[str, tuple[float, float, 
     one call's time with a tiny message (-> that op's alpha per round; ``p2p``
     is a ring shift, one send and one receive per rank: one round) and with
     ``large_bytes`` moved per rank (-> its efficiency eta against the nominal
-    bandwidth: ``eta = (large_bytes - burst) / (B (t_large - t_small))``, capped
-    at 1). The link rate itself stays the nominal one, so a preset's
-    efficiency says how much of it MPI's algorithm actually reaches.
+    bandwidth: ``eta = (large_bytes - burst) / (B (t_large - t_small))``). The
+    link rate itself stays the nominal one, so a preset's efficiency says how
+    much of it MPI's algorithm actually reaches. The times are a call's mean
+    over ranks (what a step's comm time is), so eta is not capped at 1: where
+    some ranks return before their bytes have crossed the wire, it exceeds 1.
+    A broadcast's root hands a message that fits the kernel's socket buffers
+    (4 MiB here) to them and returns, so at P = 2 the mean over ranks is about
+    half the wire time (eta 1.8-1.9 up to 4 MiB, 1.0-1.1 at 16 MiB); capped,
+    gTop-k's final broadcast at P = 2 was priced at twice what it cost.
 
     The ring's own probe (op :data:`RING`, where present) is a whole
     pipelined ring for the large message and a ring shift (one round) for the small one.
@@ -592,7 +598,7 @@ def fit_link(nominal_bandwidth: float, probes: Mapping[str, tuple[float, float, 
 
         def eta(nbytes: float, seconds: float) -> float:
             ideal = max(nbytes - burst_bytes, 0.0) / (nominal_bandwidth / 8.0)
-            return min(1.0, ideal / max(seconds - t_small, 1e-12))
+            return ideal / max(seconds - t_small, 1e-12)
         eff[op] = eta(nbytes, t_large)
         points = {float(nbytes): eff[op]}
         for b, t in (size_probes or {}).get(op, ()):

@@ -261,7 +261,9 @@ def test_bench_e2e_writes_its_tables(tmp_path):
     # every collective and the pipelined ring were probed at several sizes: a rate per message size
     for op in ("allreduce", "allgather", "p2p", "ring"):
         curve = run["link"][op]["efficiency_curve"]
-        assert len(curve) >= 2 and all(0 < eta <= 1 for _, eta in curve), (op, curve)
+        # (a mean over ranks can beat the wire where a root returns early: eta > 1 is allowed, but
+        # no op moves its bytes more than P times faster than the link)
+        assert len(curve) >= 2 and all(0 < eta <= run["world_size"] for _, eta in curve), (op, curve)
         assert [b for b, _ in curve] == sorted(b for b, _ in curve)
     # each probe holds the slowest rank's time and the mean over ranks (never above it), and the
     # model's rate is fitted to the mean: what a step's comm time (each rank's MPI time, averaged) is
@@ -272,7 +274,7 @@ def test_bench_e2e_writes_its_tables(tmp_path):
         assert [b for b, _ in v["sizes_rank_mean"]] == [b for b, _ in v["sizes"]]
         assert all(0 < m <= s for (_, m), (_, s) in zip(v["sizes_rank_mean"], v["sizes"])), op
         ideal = (v["large_bytes"] - run["burst_bytes"]) / (1e9 / 8)
-        eta = min(1.0, ideal / (v["large_rank_mean_s"] - v["small_rank_mean_s"]))
+        eta = ideal / (v["large_rank_mean_s"] - v["small_rank_mean_s"])
         assert run["link"][op]["efficiency"] == pytest.approx(eta), op
     assert run["burst_bytes"] > 0 and run["load_before"] >= 0 and run["load_after"] >= 0
     assert (out / "e2e.png").stat().st_size > 1000

@@ -334,3 +334,15 @@ def test_hvdc_model_gives_every_method_the_same_forward_and_backward():
     assert {p.compute_s for p in same.values()} == {0.41}
     assert same["topk"].compress_s == 0.05 and same["topk"].ops == ops
     assert not math.isinf(break_even_bandwidth(same["topk"], same["none"], net))
+
+
+def test_a_root_that_returns_early_gives_an_effective_rate_above_the_link():
+    """A 2 MiB broadcast at P = 2: the root's call returns once the message is in the socket
+    buffers, the other rank waits for the wire, so the mean over ranks is half the wire time --
+    and a gTop-k step's broadcast costs that mean, not the whole wire time."""
+    burst, n = 262144.0, 2 * 1048576.0
+    wire = (n - burst) / (0.93 * BPS)
+    net = fit_link(RATE, {"broadcast": (2e-5, 2e-5 + wire / 2, n, 2)}, ring_from=65536, burst_bytes=burst)
+    assert net.efficiency["broadcast"] == pytest.approx(1.86)
+    prof = StepProfile("x", 2, 0.1, 0.0, {"broadcast": OpCount(1, n, n)}, call_bytes={"broadcast": [n]})
+    assert predict(prof, net).transfer_s == pytest.approx(wire / 2)
