@@ -167,11 +167,8 @@ def run_cases(nprocs: int, module_file: str | Path, cases: Sequence[CaseRef] | N
     waiting in a collective); the case it happened in is marked failed with its
     tracebacks, and the cases after it run in a fresh ``mpirun``. A job that
     runs past ``timeout`` seconds is killed with all its processes, and the
-    case then running is marked failed as a hang. Under pytest-xdist
-    (``PYTEST_XDIST_WORKER_COUNT`` workers sharing the cores) the timeout is
-    multiplied by the number of workers: a job then gets its share of the CPU.
+    case then running is marked failed as a hang.
     """
-    timeout = timeout * max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1))
     names = [_case_name(c) for c in cases] if cases is not None else find_cases(module_file)
     if not names:
         raise ValueError(f"no case_* functions in {module_file}")
