@@ -226,9 +226,10 @@ def _median_of_three(curve: Sequence[tuple[float, float]]) -> tuple[tuple[float,
     100 Mbit) passes unchanged.
     """
     pts = list(curve)
-    out = [pts[0]] + [(pts[i][0], sorted((pts[i - 1][1], pts[i][1], pts[i + 1][1]))[1])
-                      for i in range(1, len(pts) - 1)] + ([pts[-1]] if len(pts) > 1 else [])
-    return tuple(out)
+    if len(pts) < 3:
+        return tuple(pts)
+    inner = [(pts[i][0], sorted(y for _, y in pts[i - 1:i + 2])[1]) for i in range(1, len(pts) - 1)]
+    return (pts[0], *inner, pts[-1])
 
 
 def _log2(p: int) -> float:
@@ -291,8 +292,8 @@ class StepProfile:
     #: per operation, wall seconds of the method's own work run between that op's progress
     #: calls while its bytes are on the wire (the pipelined ring's quantize/reduce/dequantize)
     overlap_s: dict[str, float] = field(default_factory=dict)
-    #: per operation, the CPU seconds of the method's own work before each call (since the
-    #: previous call, or since the step began for the first), parallel to :attr:`call_bytes`,
+    #: per operation, the CPU seconds of the method's own work before each call since the ranks
+    #: last met (the previous call, or its bucket's agreement), parallel to :attr:`call_bytes`,
     #: where recorded; otherwise the compression time is taken as spread evenly over the calls
     call_gaps: dict[str, list[float]] = field(default_factory=dict)
     #: per operation, the CPU seconds of work since the previous call itself (the gap's clock
