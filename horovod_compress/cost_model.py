@@ -444,7 +444,7 @@ def predict(profile: StepProfile, network: Network, world_size: int | None = Non
     bucket = network.burst_bytes
     tokens_out = tokens_in = bucket          # each direction of a rank's link has its own bucket
     latency = transfer = 0.0
-    call_transfers: dict[str, list[float]] = {}
+    p2p_transfers: list[float] = []        # per point-to-point call: a tree's levels (gTop-k)
     for name, (sizes, weight) in per_op.items():
         alpha = _per_op(network.op_alpha, name, network.alpha)
         op_latency = op_transfer = 0.0
@@ -472,7 +472,8 @@ def predict(profile: StepProfile, network: Network, world_size: int | None = Non
             else:
                 waiting = nbytes
             seconds = waiting / (network.eta(name, nbytes) * rate)
-            call_transfers.setdefault(name, []).append(seconds)
+            if name == "p2p":
+                p2p_transfers.append(seconds)
             op_transfer += seconds
         hidden = prof.overlap_s.get(name, 0.0)
         cut = min(hidden, op_transfer)
@@ -481,7 +482,7 @@ def predict(profile: StepProfile, network: Network, world_size: int | None = Non
         latency += op_latency
         transfer += op_transfer
     if VOLUME_LAW.get(prof.method) == "tree":
-        latency += tree_dependency_wait(prof, call_transfers.get("p2p", []))
+        latency += tree_dependency_wait(prof, p2p_transfers)
     return Prediction(prof.compute_s, prof.compress_s, latency, transfer)
 
 

@@ -303,12 +303,10 @@ def profile_of(label: str, m: dict[str, Any], p: int,
         # the same work between them -- which the waits for peers depend on
         total = max(o.sent, o.received)
         sizes[op] = [x * total / sum(v) if sum(v) > 0 else total / len(v) for x in v]
-        recorded = (calls or {}).get(op + GAP_SUFFIX)
-        if recorded and len(recorded) == len(v):
-            gaps[op] = [float(g) for g in recorded]
-        recorded = (calls or {}).get(op + REST_SUFFIX)
-        if recorded and len(recorded) == len(v):
-            rests[op] = [float(g) for g in recorded]
+        for suffix, into in ((GAP_SUFFIX, gaps), (REST_SUFFIX, rests)):   # CPU work before each call
+            recorded = (calls or {}).get(op + suffix)
+            if recorded and len(recorded) == len(v):
+                into[op] = [float(g) for g in recorded]
     return StepProfile(label.split("(")[0], p, m["compute_cpu_s"], m["compress_cpu_s"], ops, call_bytes=sizes,
                        overlap_s=overlap, call_gaps=gaps, call_rests=rests, core_share=share)
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -76,8 +78,6 @@ def common_forward_backward(profiles: dict[str, Any]) -> dict[str, Any]:
     method's own would rank methods by that noise, and a method whose pass
     happened to run faster than dense's would "win at any bandwidth".
     """
-    import statistics
-    from dataclasses import replace
     compute = statistics.median(prof.compute_s for prof in profiles.values())
     return {label: replace(prof, compute_s=compute) for label, prof in profiles.items()}
 
