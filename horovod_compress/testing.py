@@ -37,6 +37,29 @@ def mpirun_command(nprocs: int) -> list[str]:
     return cmd
 
 
+#: The order in which the launcher below probes Horovod's framework extensions. Before every job
+#: ``horovodrun`` asks whether Horovod was built with MPI and with Gloo by importing an extension in
+#: a forked process, TensorFlow's first (``horovod.common.util.EXTENSIONS``): 8 s of TensorFlow
+#: import per launch on this machine, even for a PyTorch job. The PyTorch extension gives the same
+#: answer (one build) in a fraction of that.
+HOROVOD_PROBE_ORDER = ("torch", "tensorflow", "mxnet")
+
+
+def horovodrun_command(nprocs: int) -> list[str]:
+    """``horovodrun -np N`` as the tests start it: Horovod's own launcher (the console script's
+    entry point, ``horovod.runner.launch.run_commandline``, in this interpreter), its build probe
+    trying the PyTorch extension first (:data:`HOROVOD_PROBE_ORDER`); everything else is Horovod's.
+    ``tests/test_examples.py`` runs the console script itself (``examples/horovodrun.sh``)."""
+    try:
+        import horovod.runner.launch  # noqa: F401
+    except ImportError:
+        raise RuntimeError("Horovod is not installed: run scripts/setup.sh (builds it)") from None
+    boot = ("import horovod.common.util as u; "
+            f"u.EXTENSIONS = {list(HOROVOD_PROBE_ORDER)!r}; "
+            "from horovod.runner.launch import run_commandline; run_commandline()")
+    return [sys.executable, "-c", boot, "-np", str(nprocs)]
+
+
 #: Variables that tie a process to a running MPI job: Open MPI's singleton ``MPI_Init`` (a test or
 #: script that made a one-process Communicator) sets them in the C environment, which every child
 #: process inherits, and an ``mpirun`` started with them exits 1 without a word

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from horovod_compress.testing import mpi_env, same_on_all_ranks
+from horovod_compress.testing import horovodrun_command, mpi_env, same_on_all_ranks
 
 try:
     import horovod.torch  # noqa: F401
@@ -27,10 +27,9 @@ pytestmark = [pytest.mark.horovod, pytest.mark.mpi,
 
 
 def horovodrun(args, tmp_path, timeout=600):
-    exe = str(Path(sys.executable).parent / "horovodrun")
     env = mpi_env({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     env.pop("HVDC_LAUNCHED", None)
-    proc = subprocess.run([exe, "-np", "2", *args], capture_output=True, text=True,
+    proc = subprocess.run([*horovodrun_command(2), *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     return proc.stdout

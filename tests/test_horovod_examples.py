@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from horovod_compress.testing import mpi_env, mpirun_command
+from horovod_compress.testing import horovodrun_command, mpi_env, mpirun_command
 
 EXAMPLES = Path(__file__).parent / "horovod_examples"
 IMPORTS = {"import horovod.torch as hvd": "import horovod_compress.torch as hvd",
@@ -109,7 +109,6 @@ def test_example_with_horovod_and_our_method(script, tmp_path):
         pytest.importorskip("horovod.tensorflow")
     shutil.copy(EXAMPLES / "_report.py", tmp_path / "_report.py")
     shutil.copy(EXAMPLES / script, tmp_path / script)
-    exe = str(Path(sys.executable).parent / "horovodrun")
-    proc = launch([exe, "-np", "2", sys.executable, str(tmp_path / script), *RUNS[script][1]],
+    proc = launch([*horovodrun_command(2), sys.executable, str(tmp_path / script), *RUNS[script][1]],
                   tmp_path)
     check_ranks(tmp_path, proc)

@@ -22,7 +22,7 @@ import pytest
 import horovod_compress as hvdc
 from horovod_compress.compressors.base import NonFiniteGradientError
 from horovod_compress.runtime.consistency import TensorMismatchError
-from horovod_compress.testing import find_cases, mpi_env, mpirun_command, run_cases, same_on_all_ranks
+from horovod_compress.testing import find_cases, horovodrun_command, mpi_env, mpirun_command, run_cases, same_on_all_ranks
 
 
 # --------------------------------------------------------------------- cases
@@ -405,7 +405,7 @@ def test_exception_under_horovodrun():
         pytest.skip("horovodrun not installed")
     env = mpi_env({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     start = time.monotonic()
-    proc = subprocess.run([exe, "-np", "2", "--mpi-args=--oversubscribe", sys.executable,
+    proc = subprocess.run([*horovodrun_command(2), "--mpi-args=--oversubscribe", sys.executable,
                            __file__, script_raise_in_main.__name__],
                           capture_output=True, text=True, timeout=90, env=env)
     out = proc.stdout + proc.stderr
