@@ -174,6 +174,37 @@ def case_residual_feedback_keeps_everything(comm):
     return True
 
 
+def case_randk_fused_residual_is_the_unfused_one(comm):
+    """Rand-K under EF14 sends x[I] + e[I] and forms acc = x + e after its allreduce: the same
+    averages and residuals, bit for bit, as adding first and reducing acc; nothing lost."""
+    n = 4000
+    fused = hvdc.Compression.randk(density=0.05, seed=5)
+    plain = hvdc.Compression.randk(density=0.05, seed=5)
+    plain._reduce_residual = None          # ResidualFeedback then adds x + e and calls _reduce
+    calls = []
+    inner = fused._reduce_residual
+
+    def counting(*args):
+        calls.append(1)
+        return inner(*args)
+    fused._reduce_residual = counting
+    e_prev = np.zeros(n, np.float32)
+    for step in range(4):
+        g = _grad(comm, n, seed=40 + step)
+        a, b = fused.allreduce(g, "w", comm), plain.allreduce(g, "w", comm)
+        ea, eb = fused.state["w"]["fb_residual"], plain.state["w"]["fb_residual"]
+        assert np.array_equal(a, b) and a.dtype == b.dtype == np.float32, step
+        assert np.array_equal(ea, eb), step
+        acc = g + e_prev
+        sent = acc - ea                     # what this rank's message carried
+        assert np.array_equal(sent + ea, acc)          # nothing lost
+        idx = fused.indices("w", step + 1, n)
+        assert np.array_equal(np.flatnonzero(sent), np.flatnonzero(acc * np.isin(np.arange(n), idx)))
+        e_prev = ea.copy()
+    assert len(calls) == 3                  # steps 2-4 (the first has no residual yet)
+    return True
+
+
 def case_optimizer_identical_params(comm):
     """Through the torch DistributedOptimizer every rank ends each step with identical params."""
     import torch
