@@ -80,8 +80,8 @@ class RandK(DensitySparsifier):
         allreduce starts after O(k) work; EF14's ``acc = x + e`` and ``acc -= local``
         (``local`` is ``acc`` on I_t: those entries become ``acc - acc``) follow the call.
         The ranks then meet the call with a gather behind them instead of a pass over three
-        n-element arrays, whose time varies between ranks by milliseconds (on the testbed's
-        shared cores a rank waited 4-10 ms inside the allreduce for its peer). ``None`` (not
+        n-element arrays, whose time varies between ranks by milliseconds (on the 1 Gbit
+        testbed, 2 ranks, a rank waited 4-10 ms inside the allreduce for its peer). ``None`` (not
         fused) for the unbiased variant and for non-NumPy or non-contiguous arrays.
         """
         if self.unbiased or not all(type(a) is np.ndarray and a.flags.c_contiguous and a.dtype == x.dtype
