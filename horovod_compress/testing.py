@@ -50,14 +50,23 @@ def horovodrun_command(nprocs: int) -> list[str]:
     entry point, ``horovod.runner.launch.run_commandline``, in this interpreter), its build probe
     trying the PyTorch extension first (:data:`HOROVOD_PROBE_ORDER`); everything else is Horovod's.
     ``tests/test_examples.py`` runs the console script itself (``examples/horovodrun.sh``)."""
-    try:
-        import horovod.runner.launch  # noqa: F401
-    except ImportError:
-        raise RuntimeError("Horovod is not installed: run scripts/setup.sh (builds it)") from None
+    import importlib.util
+    if importlib.util.find_spec("horovod") is None:
+        raise RuntimeError("Horovod is not installed: run scripts/setup.sh (builds it)")
     boot = ("import horovod.common.util as u; "
             f"u.EXTENSIONS = {list(HOROVOD_PROBE_ORDER)!r}; "
             "from horovod.runner.launch import run_commandline; run_commandline()")
     return [sys.executable, "-c", boot, "-np", str(nprocs)]
+
+
+def run_horovodrun(nprocs: int, args: Sequence[str], *, timeout: float, cwd: str | Path | None = None,
+                   extra_env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``args`` under :func:`horovodrun_command` on ``nprocs`` ranks, in :func:`mpi_env` (root
+    allowed, not marked as launched by ``hvdc``): the finished process, output captured."""
+    env = mpi_env({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", **(extra_env or {})})
+    env.pop("HVDC_LAUNCHED", None)
+    return subprocess.run([*horovodrun_command(nprocs), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=cwd)
 
 
 #: Variables that tie a process to a running MPI job: Open MPI's singleton ``MPI_Init`` (a test or

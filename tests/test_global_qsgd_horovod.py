@@ -19,13 +19,12 @@ Quantization for Distributed Learning with Theoretical Guarantees" (Xin et al.,
 """
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from horovod_compress.testing import horovodrun_command, mpi_env, same_on_all_ranks
+from horovod_compress.testing import run_horovodrun, same_on_all_ranks
 
 try:
     import horovod.torch  # noqa: F401
@@ -39,11 +38,8 @@ pytestmark = [pytest.mark.horovod, pytest.mark.mpi,
 
 def test_linear_8bit_through_horovods_allreduce(tmp_path):
     out = tmp_path / "report.json"
-    env = mpi_env({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
-    env.pop("HVDC_LAUNCHED", None)
-    proc = subprocess.run([*horovodrun_command(2), sys.executable, __file__,
-                           ranks_global_qsgd_in_horovod.__name__, str(out)],
-                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    proc = run_horovodrun(2, [sys.executable, __file__, ranks_global_qsgd_in_horovod.__name__, str(out)],
+                          cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     r = json.loads(out.read_text())
     assert r["dtypes_handed_to_horovod"] == ["torch.float64(2,)"]   # the placeholder only

@@ -7,13 +7,12 @@ tests/test_horovod.py ENTRY OUT``, ENTRY the name of one of :data:`ENTRY_POINTS`
 """
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from horovod_compress.testing import horovodrun_command, mpi_env, same_on_all_ranks
+from horovod_compress.testing import run_horovodrun, same_on_all_ranks
 
 try:
     import horovod.torch  # noqa: F401
@@ -27,10 +26,7 @@ pytestmark = [pytest.mark.horovod, pytest.mark.mpi,
 
 
 def horovodrun(args, tmp_path, timeout=600):
-    env = mpi_env({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
-    env.pop("HVDC_LAUNCHED", None)
-    proc = subprocess.run([*horovodrun_command(2), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=tmp_path)
+    proc = run_horovodrun(2, args, cwd=tmp_path, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
     return proc.stdout
 

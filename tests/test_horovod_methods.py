@@ -10,14 +10,13 @@ the dense average); what cannot be honoured is refused with a clear error.
 """
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 import horovod_compress as hvdc
-from horovod_compress.testing import find_cases, horovodrun_command, mpi_env
+from horovod_compress.testing import find_cases, run_horovodrun
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TORCH_SCRIPT = SCRIPTS / "horovod_methods_torch.py"
@@ -42,11 +41,7 @@ TF_CHECKS = [f"tf_tape[{m}-{op}]" for m in METHODS for op in ("Average", "Sum")]
 
 
 def horovodrun(script: Path, out: Path, timeout: int = 900) -> None:
-    env = mpi_env({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
-    env.pop("HVDC_LAUNCHED", None)
-    proc = subprocess.run([*horovodrun_command(2), sys.executable, str(script), str(out)],
-                          capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=out.parent)
+    proc = run_horovodrun(2, [sys.executable, str(script), str(out)], cwd=out.parent, timeout=timeout)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-6000:] + proc.stderr[-6000:]
 
 
