@@ -366,6 +366,63 @@ def case_overlap_bucketed(comm):
     return True
 
 
+def case_matrix_groups_fused_equal_one_by_one(comm):
+    """The optimizer's groups of a matrix method go out fused (one collective per round,
+    ``runtime.per_tensor``): the same parameters as the tensors one by one, and far fewer
+    collectives -- one agreement and one or two allreduces per step, not per tensor."""
+    import contextlib
+    from collections import Counter
+
+    import torch
+
+    from horovod_compress.torch import DistributedOptimizer
+    methods = {"powersgd": dict(rank=2), "greedylore": dict(rank=2), "lazy_projection": dict(rank=2),
+               "arc_topk": dict(), "randk_rows": dict(), "topk_rows": dict()}
+    plain_in_mpi = comm.in_mpi
+    calls: Counter = Counter()
+
+    @contextlib.contextmanager
+    def counting(op):
+        calls[op] += 1
+        with plain_in_mpi(op):
+            yield
+    comm.in_mpi = counting
+    try:
+        for name, params in methods.items():
+            out, collectives = [], []
+            for fused in (True, False):
+                torch.manual_seed(0)
+                model = torch.nn.Sequential(torch.nn.Linear(48, 64), torch.nn.ReLU(),
+                                            torch.nn.Linear(64, 40), torch.nn.ReLU(),
+                                            torch.nn.Linear(40, 8))
+                method = getattr(hvdc.Compression, name)(**params, seed=3)
+                opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                           named_parameters=model.named_parameters(), comm=comm,
+                                           compression=method, overlap=False)
+                opt.exchange.per_tensor.lockstep = fused
+                assert len(opt.exchange.buckets) == 1, name      # one group of six tensors
+                for step in range(4):
+                    x = torch.from_numpy(np.random.default_rng([comm.rank, step])
+                                         .standard_normal((16, 48)).astype(np.float32))
+                    if step == 3:
+                        calls.clear()     # the exchange may run inside backward (overlap=False)
+                    opt.zero_grad()
+                    model(x).square().mean().backward()
+                    opt.step()
+                collectives.append(calls["agree"] + calls["allreduce"] + calls["allgather"])
+                opt.close()
+                out.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy())
+            if comm.size == 2:     # one addition per element: fused or not, bit for bit
+                assert np.array_equal(out[0], out[1]), name
+            else:
+                assert np.allclose(out[0], out[1], rtol=1e-4, atol=1e-6), (name, np.abs(out[0] - out[1]).max())
+            assert same_on_all_ranks(comm, out[0]), name
+            assert collectives[0] <= 4 and collectives[1] >= 12, (name, collectives)
+    finally:
+        del comm.in_mpi
+    return True
+
+
 MPI_CASES = [f for name, f in list(globals().items()) if name.startswith("case_")]
 
 

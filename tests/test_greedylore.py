@@ -33,7 +33,9 @@ from horovod_compress.compressors.lowrank_common import should_compress, top_ind
 from horovod_compress.compressors.powersgd import PowerSGD
 from horovod_compress.kernels.lowrank import (
     add_and_probe,
+    add_and_probe_rows,
     add_lowrank_and_probe,
+    add_lowrank_and_probe_rows,
     pad_rank,
     project,
     reconstruct,
@@ -385,17 +387,20 @@ def case_edge_shapes(comm):
                 assert "U" not in meth.state["s"] and "error" not in meth.state["s"]
     # m > n keeps the orientation of the output and of U (small side).
     # Its error is kept in the gradient's own memory order (column-major as 8 x 30) and
-    # updated in place: the same buffer from the SVD step on, no m x n temporary per step.
-    meth = GreedyLore(rank=2, period=3)
+    # takes the fused first pass in that order (kernels.lowrank.add_and_probe_rows): A_i goes
+    # into the spare buffer and the error stays pending as (A_i, Q, C_i), so the two buffers
+    # swap from the SVD step on -- no m x n temporary per step.
+    meth = GreedyLore(rank=2, period=5)
     buffers = set()
-    for t in range(1, 4):
+    for t in range(1, 6):
         g = low_rank_gradient((30, 8), comm.rank, t, 2)
         out = meth.allreduce(g, "tall", comm)
         assert out.shape == (30, 8)
         buffers.add(meth.state["tall"]["error"].__array_interface__["data"][0])
     assert meth.state["tall"]["U"].shape == (8, 8)
     assert meth.state["tall"]["error"].shape == (8, 30)
-    assert meth.state["tall"]["error"].flags.f_contiguous and len(buffers) == 1
+    assert meth.state["tall"]["error"].flags.f_contiguous and len(buffers) == 2
+    assert "error_q" in meth.state["tall"]       # the fused path's pending error
     res["tall_ok"] = True
     return res
 
@@ -626,6 +631,44 @@ def test_add_lowrank_and_probe_kernel(dtype, r, probes):
     assert np.array_equal(base, base_before)
     assert np.allclose(dst, want, rtol=tol, atol=tol * r)
     assert np.allclose(v, want @ xi.T.astype(np.float64), rtol=tol, atol=tol * r * n)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("r", [0, 1, 4, 8, 9])
+@pytest.mark.parametrize("probes", [1, 3])
+def test_first_pass_kernels_of_a_tall_tensor(dtype, r, probes):
+    """The first pass in a tall tensor's own (row-major n x m) layout: dst_t = M^T + base^T
+    (- (Q C)^T when the error is pending, r > 0) and v = A xi with A = dst_t^T, against float64;
+    the same numbers as the working-orientation kernels give on the transposed arrays."""
+    rng = np.random.default_rng(7)
+    m, n = 6, 41                                  # working orientation m x n (m the short side)
+    mat_t, base_t = (rng.standard_normal((n, m)).astype(dtype) for _ in range(2))
+    xi = rng.standard_normal((probes, n)).astype(dtype)
+    v, dst_t = np.empty((m, probes), dtype=dtype), np.full_like(base_t, np.nan)
+    base_before = base_t.copy()
+    tol = 1e-5 if dtype == np.float32 else 1e-12
+    if r == 0:
+        add_and_probe_rows(mat_t, base_t, xi, v, dst_t)
+        want_t = mat_t.astype(np.float64) + base_t
+    else:
+        q = rng.standard_normal((m, r)).astype(dtype)
+        c = rng.standard_normal((r, n)).astype(dtype)
+        qp, cp = pad_rank(q, c)
+        add_lowrank_and_probe_rows(mat_t, base_t, np.ascontiguousarray(cp.T), np.ascontiguousarray(qp.T),
+                                   xi, v, dst_t)
+        want_t = mat_t.astype(np.float64) + base_t - (q.astype(np.float64) @ c).T
+        v_work, dst_work = np.empty_like(v), np.empty((m, n), dtype=dtype)
+        add_lowrank_and_probe(np.ascontiguousarray(mat_t.T), np.ascontiguousarray(base_t.T), qp, cp,
+                              xi, v_work, dst_work)
+        assert np.allclose(dst_work.T, dst_t, rtol=tol, atol=tol * r)
+        assert np.allclose(v_work, v, rtol=tol, atol=tol * max(r, 1) * n)
+    assert np.array_equal(base_t, base_before)
+    assert np.allclose(dst_t, want_t, rtol=tol, atol=tol * max(r, 1))
+    assert np.allclose(v, want_t.T @ xi.T.astype(np.float64), rtol=tol, atol=tol * max(r, 1) * n)
+    if r == 0:                                    # in place, as the working-orientation kernel allows
+        v2 = np.empty_like(v)
+        add_and_probe_rows(mat_t, base_t, xi, v2, base_t)
+        assert np.array_equal(base_t, dst_t) and np.allclose(v2, v, rtol=tol, atol=tol * n)
 
 
 def test_pending_error_is_exact_and_materializes():

@@ -137,7 +137,9 @@ def call_sizes(methods: list[str], model_name: str, comm: Any,
     previous call returned: the method's own work between its calls, which
     decides how long a call waits for peers when ranks share cores
     (``cost_model.Network.call_wait``). CPU time, so the recording on an
-    oversubscribed machine is not stretched by the core share.
+    oversubscribed machine is not stretched by the core share; the process's
+    (``time.process_time``), so the work of a matrix method's lockstep
+    workers between two fused calls counts.
 
     Every ``Method.allreduce`` starts with a 1-byte agreement allgather
     (``runtime.consistency``, timed under the op ``agree`` and reported as the
@@ -149,6 +151,12 @@ def call_sizes(methods: list[str], model_name: str, comm: Any,
     The links, though, rest from one call to the next, agreement or not: the
     *rest* before a call is the CPU work since the previous call itself (the
     time a shaped link's token bucket refills, ``cost_model.predict``).
+
+    A matrix method's group of tensors goes out fused
+    (``runtime.per_tensor``): one collective per round carries every tensor's
+    call, and the communicator then accounts each original call apart
+    (``_account_as``). The log keeps what crossed the wire: the fused call once,
+    at its whole size, and none of its parts.
     """
     import torch
 
@@ -158,17 +166,22 @@ def call_sizes(methods: list[str], model_name: str, comm: Any,
     log: list[tuple[str, float, float, float]] = []
     inner = comm._account
     ring = RingTransport()
-    clock = [0.0, 0.0]      # this thread's CPU time and its CPU time inside MPI when the ranks last met
+    clock = [0.0, 0.0]      # the process's CPU time and its CPU time inside MPI when the ranks last met
     rest_clock = [0.0, 0.0]  # the same at the last call (not restarted by an agreement)
 
     def restart_clock(agreement: bool = False) -> None:
-        clock[:] = [time.thread_time(), comm.timings()["cpu_total"]]
+        clock[:] = [time.process_time(), comm.timings()["cpu_total"]]
         if not agreement:
             rest_clock[:] = clock
 
+    parts = [0]   # inside _account_as: one original call of a fused collective, logged with it
+
     def account(op: str, sent: float, received: float) -> None:
+        if parts[0]:
+            inner(op, sent, received)
+            return
         # CPU work outside MPI since the previous call (a call is counted after it returns)
-        cpu, in_mpi = time.thread_time(), comm.timings()["cpu_total"]
+        cpu, in_mpi = time.process_time(), comm.timings()["cpu_total"]
         gap = max(0.0, (cpu - clock[0]) - (in_mpi - clock[1]))
         rest = max(0.0, (cpu - rest_clock[0]) - (in_mpi - rest_clock[1]))
         clock[:] = rest_clock[:] = [cpu, in_mpi]
@@ -176,6 +189,16 @@ def call_sizes(methods: list[str], model_name: str, comm: Any,
         log.append((RING_OP if op == "allreduce" and ring.inside else op, max(sent, received), gap, rest))
         inner(op, sent, received)
     comm._account = account
+    plain_account_as = getattr(comm, "_account_as", None)
+
+    def account_part(phase: Any, op: str, sent: float, received: float) -> None:
+        parts[0] += 1
+        try:
+            plain_account_as(phase, op, sent, received)
+        finally:
+            parts[0] -= 1
+    if plain_account_as is not None:
+        comm._account_as = account_part
     plain_in_mpi = comm.in_mpi
 
     @contextlib.contextmanager
@@ -217,6 +240,8 @@ def call_sizes(methods: list[str], model_name: str, comm: Any,
             out[label] = calls
     finally:
         comm._account = inner
+        if plain_account_as is not None:
+            del comm._account_as
         del comm.in_mpi
         stack.close()
     return out

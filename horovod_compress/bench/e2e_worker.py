@@ -22,7 +22,8 @@ The link probes time each large message after a burst of CPU work that leaves
 the links idle, as a step's exchange meets them, and the interleaved probe
 times tiny allreduces between CPU bursts of several lengths (mean, median,
 90th percentile per call). The same parts are also taken in thread CPU
-time (``time.thread_time``): with more ranks than cores a rank's wall time
+time (``time.process_time``: the lockstep workers of a matrix method's group
+included): with more ranks than cores a rank's wall time
 includes waiting for the CPU, and its MPI time waiting for peers that wait
 for the CPU; CPU time is what the work itself costs. All ranks start each step together (a
 barrier), so the MPI time measures the exchange, not the previous step's skew.
@@ -232,24 +233,39 @@ def memcpy_seconds(n: int, repeats: int = 5) -> float:
 
 
 class _ExchangeClock:
-    """Wraps ``method.allreduce`` to add up its wall and thread CPU time (overlap is off: one thread)."""
+    """Adds up the wall and CPU time of the method's own calls in the exchange.
 
-    def __init__(self, method: Any) -> None:
+    Overlap is off, so buckets are reduced on the training thread. A flat
+    bucket's call is ``method.allreduce`` (the engine's copy of the gradients
+    into the bucket stays outside, in compute, as before); a matrix method's
+    group is one ``exchange.per_tensor.reduce``, whose tensors' calls run
+    interleaved (lockstep greenlets, or one ``allreduce_many``), so the group
+    is timed as a whole and the calls inside it are not timed again. CPU time
+    is the process's (``time.process_time``).
+    """
+
+    def __init__(self, exchange: Any, method: Any) -> None:
         self.wall = self.cpu = 0.0
-        inner = method.allreduce
+        self._depth = 0
 
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0, c0 = time.perf_counter(), time.thread_time()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.wall += time.perf_counter() - t0
-                self.cpu += time.thread_time() - c0
-        method.allreduce = timed
+        def clocked(inner: Any, nested: bool) -> Any:
+            def timed(*args: Any, **kwargs: Any) -> Any:
+                if nested and self._depth:
+                    return inner(*args, **kwargs)
+                self._depth += 1
+                t0, c0 = time.perf_counter(), time.process_time()
+                try:
+                    return inner(*args, **kwargs)
+                finally:
+                    self._depth -= 1
+                    self.wall += time.perf_counter() - t0
+                    self.cpu += time.process_time() - c0
+            return timed
+        exchange.per_tensor.reduce = clocked(exchange.per_tensor.reduce, nested=False)
+        method.allreduce = clocked(method.allreduce, nested=True)
 
     def reset(self) -> None:
         self.wall = self.cpu = 0.0
-
 
 def measure_method(name: str, params: dict[str, Any], model_name: str, comm: Any, steps: int,
                    warm: int, seed: int, first_batch: int = 0) -> tuple[Any, list[dict[str, Any]]]:
@@ -268,7 +284,7 @@ def measure_method(name: str, params: dict[str, Any], model_name: str, comm: Any
     base = torch.optim.SGD(model.parameters(), lr=1e-3)
     opt = DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=method,
                                overlap=False, comm=comm)
-    clock = _ExchangeClock(method)
+    clock = _ExchangeClock(opt.exchange, method)
     ring = RingTransport()
     records: list[dict[str, Any]] = []
     with ring.installed():
@@ -286,12 +302,12 @@ def _steps(comm: Any, model: Any, model_name: str, opt: Any, clock: "_ExchangeCl
         comm.reset_stats()
         clock.reset()
         ring.reset()
-        t0, c0 = time.perf_counter(), time.thread_time()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad()
         loss = model.loss(x, y)
         loss.backward()
         opt.step()
-        total, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        total, cpu = time.perf_counter() - t0, time.process_time() - c0
         timings = comm.timings()
         mpi, mpi_cpu = timings["total"], timings["cpu_total"]
         # the calls' agreement (runtime/consistency.py) is where a rank waits for peers still

@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 from typing import Any, ClassVar
 
 import numpy as np
+from greenlet import getcurrent as _current_task
 
 from ..feedback import Feedback, make_feedback
 from ..kernels.arrays import (
@@ -47,6 +47,12 @@ NONFINITE_POLICIES = ("raise", "skip", "propagate")
 NONFINITE_ENV = "HVDC_NONFINITE"
 _MAX_SIGNATURES = 4096
 
+
+
+def _task_id() -> int:
+    """The running task: its greenlet (the lockstep runner runs several tensors' calls as greenlets
+    of one thread) -- on a plain thread, that thread's main greenlet, one per thread."""
+    return id(_current_task())
 
 class NonFiniteGradientError(FloatingPointError, ValueError):
     """A gradient held NaN/Inf under the ``nonfinite="raise"`` policy (raised on every rank)."""
@@ -184,7 +190,7 @@ class Method:
         if not dense_step and self._defers_finite_check(x, name, comm):
             # the method's first pass reports finiteness and calls _pass_finite_gate
             # before its first collective (the agreement still precedes every payload)
-            self._gates()[threading.get_ident()] = _FiniteGate(x, comm, signature)
+            self._gates()[_task_id()] = _FiniteGate(x, comm, signature)
         else:
             bad_ranks = self._agree_step(comm, signature, _finite(x))
             if bad_ranks:
@@ -207,7 +213,7 @@ class Method:
                 self._undo_step(name, prev, st)
                 raise
             finally:
-                gate = self._gates().pop(threading.get_ident(), None)
+                gate = self._gates().pop(_task_id(), None)
             if gate is not None:
                 raise RuntimeError(f"{self.name}: _defers_finite_check promised a call of "
                                    f"_pass_finite_gate that did not come (tensor {name!r})")
@@ -260,7 +266,7 @@ class Method:
         :meth:`allreduce`, when any rank is not finite: the step then goes to
         the NaN/Inf policy with the tensor's state as it was.
         """
-        gate = self._gates().pop(threading.get_ident(), None)
+        gate = self._gates().pop(_task_id(), None)
         if gate is None:
             return
         if finite is None:
@@ -270,12 +276,12 @@ class Method:
             raise _NonFiniteAgreed(bad_ranks)
 
     def _finite_gate_pending(self) -> bool:
-        """Whether this thread's current call deferred its agreement and has not passed the gate."""
-        return threading.get_ident() in self._gates()
+        """Whether this task's current call deferred its agreement and has not passed the gate."""
+        return _task_id() in self._gates()
 
     def _gates(self) -> dict[int, "_FiniteGate"]:
-        """The pending deferred agreements by thread (the lockstep runner calls one method from
-        several threads, one at a time; an instance restored without ``__init__`` has none)."""
+        """The pending deferred agreements by task (the lockstep runner calls one method from
+        several greenlets, one at a time; an instance restored without ``__init__`` has none)."""
         gates = self.__dict__.get("_finite_gates")
         if gates is None:
             gates = self.__dict__["_finite_gates"] = {}

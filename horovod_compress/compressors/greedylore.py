@@ -164,7 +164,9 @@ from .lowrank_common import (
 from ..feedback import Feedback
 from ..kernels.lowrank import (
     add_and_probe,
+    add_and_probe_rows,
     add_lowrank_and_probe,
+    add_lowrank_and_probe_rows,
     pad_rank,
     project,
     reconstruct,
@@ -301,6 +303,9 @@ def materialize_error(state: TensorState) -> np.ndarray:
         if (e.flags.c_contiguous and e.flags.writeable and e.dtype in (np.float32, np.float64)
                 and q.dtype == c.dtype == e.dtype):
             e = subtract_low_rank(e, q, c)
+        elif (e.flags.f_contiguous and e.flags.writeable and e.dtype in (np.float32, np.float64)
+                and q.dtype == c.dtype == e.dtype):       # a tall tensor's column-major error
+            e = subtract_low_rank(e.T, c.T, q.T).T
         else:
             e = e - q @ c
         state["error"] = e
@@ -416,22 +421,29 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
         # as it was until the NaN/Inf agreement passes), with v = A_i xi in the same pass; an
         # error kept as base - Q C_i (see below) is applied in that same pass.
         e = state.get("error")
-        if (transposed and e is not None and e.shape == (m, n) and not e.flags.f_contiguous
-                and "error_q" not in state):
+        if transposed and e is not None and e.shape == (m, n) and not e.flags.f_contiguous:
             # a transposed tensor's error is column-major (see _zeroed_error); one restored from
             # a checkpoint (or an older one) is laid out so once, so a resumed run takes the same
             # arithmetic path -- and gives the same bits -- as the run that saved it
             e = state["error"] = np.asfortranarray(e)
         has_error = self.error_feedback and e is not None and e.shape == (m, n)
         xi = self.probes_for(name, state.t, m, n, m_mat.dtype)
+        # a tall tensor's arrays are row-major in its own orientation (m_mat.T, e.T, a.T)
         fused = (has_error and self.probe_mode == "shared" and e.dtype == m_mat.dtype
-                 and e.flags.c_contiguous and _kernel_ready(m_mat, e, xi)
+                 and (_kernel_ready(m_mat.T, e.T, xi) if transposed else _kernel_ready(m_mat, e, xi))
                  and _pending_ready(state, e))
         if fused:
-            a = self._spare_error(name, e)
+            a = self._spare_error(name, e, transposed)
             v = np.empty((m, self.probes), dtype=m_mat.dtype)
             if "error_q" in state:
-                add_lowrank_and_probe(m_mat, e, *pad_rank(state["error_q"], state["error_c"]), xi, v, a)
+                q_p, c_p = pad_rank(state["error_q"], state["error_c"])
+                if transposed:
+                    add_lowrank_and_probe_rows(m_mat.T, e.T, np.ascontiguousarray(c_p.T),
+                                               np.ascontiguousarray(q_p.T), xi, v, a.T)
+                else:
+                    add_lowrank_and_probe(m_mat, e, q_p, c_p, xi, v, a)
+            elif transposed:
+                add_and_probe_rows(m_mat.T, e.T, xi, v, a.T)
             else:
                 add_and_probe(m_mat, e, xi, v, a)
             self._pass_finite_gate(_probe_says_finite(v, m_mat))
@@ -516,30 +528,33 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
         else:
             e = np.empty(like.shape, dtype=like.dtype)
         e.fill(0)
-        if self.error_feedback and self.probe_mode == "shared" and not transposed:
-            self._spare_error(name, e).fill(0)    # (a transposed tensor never takes the fused pass)
+        if self.error_feedback and self.probe_mode == "shared":
+            self._spare_error(name, e, transposed).fill(0)
         return e
 
     def _spare_errors(self) -> dict[str, np.ndarray]:
         """Tensor name -> its spare error buffer (:meth:`_spare_error`)."""
         return self.__dict__.setdefault("_spare_error_buffers", {})
 
-    def _spare_error(self, name: str, like: np.ndarray) -> np.ndarray:
+    def _spare_error(self, name: str, like: np.ndarray, transposed: bool = False) -> np.ndarray:
         """The second error buffer of tensor ``name`` (shape and dtype of ``like``), reused.
 
         The fused pass writes ``A_i = M_i + e_i`` here instead of over
         ``e_i``, so a step the NaN/Inf agreement rejects leaves the error as it
         was; after the step the buffers swap. Not checkpointed (its content is
-        dead between steps); one more m x n array per tensor. A swapped-in
-        error that cannot be written or is not C-contiguous is replaced by a
-        fresh buffer.
+        dead between steps); one more m x n array per tensor, laid out as the
+        error is (column-major for a ``transposed`` tensor, see
+        :meth:`_zeroed_error`). A swapped-in error that cannot be written or
+        is not laid out so is replaced by a fresh buffer.
         """
         bufs = self._spare_errors()
         buf = bufs.get(name)
         if (buf is None or buf.shape != like.shape or buf.dtype != like.dtype
-                or not (buf.flags.writeable and buf.flags.c_contiguous)
+                or not (buf.flags.writeable
+                        and (buf.flags.f_contiguous if transposed else buf.flags.c_contiguous))
                 or np.shares_memory(buf, like)):
-            buf = np.empty_like(like, order="C")
+            buf = (np.empty(like.shape[::-1], dtype=like.dtype).T if transposed
+                   else np.empty_like(like, order="C"))
             bufs[name] = buf
         return buf
 

@@ -348,7 +348,7 @@ class PowerSGD(Method):
         """Whether :meth:`allreduce_many` fuses ``arrays`` on ``comm`` (else it runs them one by one).
 
         Needs a communicator that accounts fused calls per original call
-        (``Lockstep.supports``: the torch.distributed backend), more than one
+        (``Lockstep.supports``: either backend), more than one
         rank, host (NumPy) arrays and feedback ``none`` or ``residual``.
         """
         return (getattr(comm, "size", 1) > 1 and Lockstep.supports(comm)

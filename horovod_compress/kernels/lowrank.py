@@ -28,6 +28,11 @@ The arithmetic is the same; only the order of the float additions differs
 from BLAS (``fastmath`` allows re-association and fused multiply-adds,
 nothing that changes NaN/Inf handling).
 
+A tall tensor (more rows than columns) is worked on transposed, so its
+arrays are row-major in the tensor's own orientation: :func:`add_and_probe_rows`
+and :func:`add_lowrank_and_probe_rows` are the first pass for that layout,
+one sweep of the short rows with the probe products summed per column.
+
 Arguments must be C-contiguous 2-D arrays of one float dtype; the caller
 (``GreedyLore``) falls back to NumPy otherwise.
 """
@@ -124,6 +129,81 @@ def add_lowrank_and_probe(mat: np.ndarray, base: np.ndarray, q: np.ndarray, c: n
             for j in range(n):
                 acc += row[j] * p[j]
             out[i, k] = acc
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def add_and_probe_rows(mat_t: np.ndarray, err_t: np.ndarray, xi: np.ndarray, out: np.ndarray,
+                       dst_t: np.ndarray) -> None:
+    """:func:`add_and_probe` on a tall tensor, in the tensor's own (transposed) orientation.
+
+    A GreedyLore tensor with more rows than columns is worked on as
+    ``A = M^T`` (m x n, m the short side); its arrays are row-major n x m
+    (``mat_t = A^T``'s gradient part, ``err_t``, ``dst_t``), so this sweeps
+    their n short rows once: ``dst_t = mat_t + err_t`` and ``out[:, k] = A
+    xi[k] = sum_i dst_t[i, :] xi[k, i]``, accumulated in float64 (``probes x
+    m`` sums, in L1). ``dst_t`` may be ``err_t``. ``xi``: (probes, n);
+    ``out``: (m, probes).
+    """
+    n, m = dst_t.shape
+    probes = xi.shape[0]
+    acc = np.zeros((probes, m), dtype=np.float64)
+    for i in range(n):
+        row = dst_t[i]
+        old = err_t[i]
+        src = mat_t[i]
+        for j in range(m):
+            row[j] = old[j] + src[j]
+        for k in range(probes):
+            x = xi[k, i]
+            a = acc[k]
+            for j in range(m):
+                a[j] += row[j] * x
+    for k in range(probes):
+        for j in range(m):
+            out[j, k] = acc[k, j]
+
+
+@njit(cache=True, fastmath=_FLAGS)
+def add_lowrank_and_probe_rows(mat_t: np.ndarray, base_t: np.ndarray, c_t: np.ndarray,
+                               q_t: np.ndarray, xi: np.ndarray, out: np.ndarray,
+                               dst_t: np.ndarray) -> None:
+    """:func:`add_lowrank_and_probe` on a tall tensor, in its own (transposed) orientation.
+
+    ``dst_t = mat_t + base_t - c_t @ q_t``, i.e. ``A_i^T = M_i^T + (base -
+    Q C_i)^T`` with ``c_t = C_i^T`` (n x r) and ``q_t = Q^T`` (r x m), and
+    ``out[:, k] = A xi[k]`` as in :func:`add_and_probe_rows`: one sweep of
+    the n short rows, the rank-r correction from ``q_t``'s rows in cache.
+    ``r`` must be a multiple of 4 (:func:`pad_rank`); ``dst_t`` must not
+    overlap ``base_t``.
+    """
+    n, m = dst_t.shape
+    r = q_t.shape[0]
+    probes = xi.shape[0]
+    acc = np.zeros((probes, m), dtype=np.float64)
+    for i in range(n):
+        row = dst_t[i]
+        b = base_t[i]
+        src = mat_t[i]
+        for k in range(0, r, 4):
+            w0, w1, w2, w3 = c_t[i, k], c_t[i, k + 1], c_t[i, k + 2], c_t[i, k + 3]
+            q0, q1, q2, q3 = q_t[k], q_t[k + 1], q_t[k + 2], q_t[k + 3]
+            if k == 0:
+                for j in range(m):
+                    row[j] = b[j] + src[j] - (w0 * q0[j] + w1 * q1[j] + w2 * q2[j] + w3 * q3[j])
+            else:
+                for j in range(m):
+                    row[j] -= w0 * q0[j] + w1 * q1[j] + w2 * q2[j] + w3 * q3[j]
+        if r == 0:
+            for j in range(m):
+                row[j] = b[j] + src[j]
+        for k in range(probes):
+            x = xi[k, i]
+            a = acc[k]
+            for j in range(m):
+                a[j] += row[j] * x
+    for k in range(probes):
+        for j in range(m):
+            out[j, k] = acc[k, j]
 
 
 def pad_rank(q: np.ndarray, c: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -238,9 +238,8 @@ class Accounting(PhaseLabel):
 class FusingAccounting(Accounting):
     """:class:`Accounting` that lets a caller fuse calls and account them itself.
 
-    What :class:`~.lockstep.Lockstep` needs (``Lockstep.supports``): the
-    torch.distributed backends have it; the mpi4py ``Communicator`` does not
-    (its DDP hooks run tensor by tensor).
+    What :class:`~.lockstep.Lockstep` needs (``Lockstep.supports``): every
+    backend has it (the mpi4py ``Communicator``, the torch.distributed ones).
     """
 
     @contextlib.contextmanager

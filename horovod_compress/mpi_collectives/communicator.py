@@ -27,7 +27,7 @@ from mpi4py import MPI
 from mpi4py.util import dtlib
 
 from ..kernels.arrays import is_gpu_array, to_host
-from .accounting import Accounting, OpStats, PendingRequest
+from .accounting import FusingAccounting, OpStats, PendingRequest
 
 OpLike = Union[str, MPI.Op]
 
@@ -90,7 +90,7 @@ class Request(PendingRequest):
         return out
 
 
-class Communicator(Accounting):
+class Communicator(FusingAccounting):
     """mpi4py communicator on NumPy buffers with per-rank byte accounting.
 
     ``Communicator()`` wraps ``MPI.COMM_WORLD``; pass any mpi4py
@@ -105,6 +105,11 @@ class Communicator(Accounting):
         self.size: int = self.comm.Get_size()
         self._init_accounting()
         self._device: Any = None
+
+    def threads_allowed(self) -> bool:
+        """Whether MPI may be called from more than one thread, one at a time (``MPI_THREAD_SERIALIZED``
+        or more): what the engine's communication thread and :class:`~.lockstep.Lockstep` need."""
+        return MPI.Query_thread() >= MPI.THREAD_SERIALIZED
 
     @property
     def device(self) -> Any:

@@ -11,8 +11,8 @@ Vogels et al., NeurIPS 2019, Section 4: "we pack all the P matrices of
 the layers into one buffer").
 
 :class:`Lockstep` gets that batching for every method without touching its
-code: each tensor's ``method.allreduce`` runs on its own thread against a
-proxy communicator; the threads run one at a time, in tensor order, each
+code: each tensor's ``method.allreduce`` runs as its own coroutine against a
+proxy communicator; they run one at a time, in tensor order, each
 until its next collective (so every Python-side effect -- random draws,
 state updates -- happens in the same order as a sequential run), and when
 every unfinished thread has posted a collective the round is executed:
@@ -30,23 +30,28 @@ sure), so the fused calls match across ranks. Byte accounting is per original
 call with its own phase, identical to a sequential run; only the fused
 collective's latency is paid once.
 
-Passing the turn wakes exactly the next thread (one condition per thread on
-a shared lock). Waking every thread on each hand-off (one shared condition,
-``notify_all``) costs O(n^2) wake-ups per round: on a DDP bucket of 52
-tensors on one core that was 117 ms of a 154 ms hook call (cProfile, issue
-17). A method that knows its own rounds avoids the threads altogether:
-:func:`fused_allreduce` and :func:`fused_check_allgather` run one round's
-calls, fused and accounted exactly as here, from a single thread
-(``PowerSGD.allreduce_many``).
+The tensors' calls are greenlets (the ``greenlet`` package: stackful
+coroutines switched in-process, about a microsecond per switch), not OS
+threads: a proxy's collective switches back to the scheduler, which resumes
+the next tensor, and after the last one executes the round on the calling
+thread. With threads, every hand-off of the turn waited for the OS to
+schedule the next thread; on an oversubscribed machine (4 ranks on 2 cores,
+the emulated cluster) that gave the core to another rank at each of the
+~150 hand-offs of a Transformer's step and cost GreedyLore 60-90 ms per
+step, more than the fused latency saved (and earlier, with one shared
+condition and ``notify_all``, O(n^2) wake-ups: 117 ms of a 154 ms DDP hook
+call). MPI is only ever called from the calling thread. A method that
+knows its own rounds needs no coroutines either: :func:`fused_allreduce` and
+:func:`fused_check_allgather` run one round's calls, fused and accounted
+exactly as here (``PowerSGD.allreduce_many``).
 """
 from __future__ import annotations
 
 import contextlib
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
+from greenlet import greenlet
 
 from ..kernels.arrays import is_gpu_array
 from .accounting import PhaseLabel
@@ -121,7 +126,7 @@ class _Proxy(PhaseLabel):
 
     def _post(self, kind: str, name: str, *args: Any, **kwargs: Any) -> Any:
         call = _Call(kind, name, args, kwargs, self._phase)
-        self._round.submit(self._index, call)
+        self._round.post(call)
         if call.error is not None:
             raise call.error
         return call.result
@@ -133,62 +138,53 @@ class _Proxy(PhaseLabel):
 
 
 class _Round:
-    """The scheduler of one lockstep run: a turn passed in index order, rounds of posted calls.
+    """The scheduler of one lockstep run: each tensor's call a greenlet, resumed in index order.
 
-    Each worker waits on its own condition (sharing one lock), and passing
-    the turn wakes exactly the next worker: with ``notify_all`` on a shared
-    condition every hand-off woke all n threads to re-check the turn, O(n^2)
-    wake-ups per round, which dominated a DDP bucket of ~50 tensors.
+    A greenlet runs until its proxy posts a collective (it switches back here
+    with the :class:`_Call`) or until it returns; when every unfinished one
+    has posted, the round's calls are executed on the calling thread and the
+    greenlets resumed with their results.
     """
 
     def __init__(self, real: Any, n: int) -> None:
         self.real = real
         self.n = n
-        self.lock = threading.Lock()
-        self.conds = [threading.Condition(self.lock) for _ in range(n)]
-        self.turn = 0
-        self.active = list(range(n))
-        self.pending: dict[int, _Call] = {}
+        self.scheduler = greenlet.getcurrent()
 
-    def _wait_turn(self, k: int) -> None:
-        cond = self.conds[k]
-        while self.turn != k:
-            cond.wait()
+    def post(self, call: _Call) -> None:
+        """From a tensor's greenlet: hand ``call`` to the scheduler; return when it has run."""
+        self.scheduler.switch(call)
 
-    def worker(self, k: int, fn: Callable[[Any], Any]) -> Any:
-        with self.lock:
-            self._wait_turn(k)
-        try:
-            return fn(_Proxy(self, k))
-        finally:
-            with self.lock:
-                self.active.remove(k)
-                self._advance(k)
-
-    def submit(self, k: int, call: _Call) -> None:
-        with self.lock:
-            self.pending[k] = call
-            self._advance(k)
-            self._wait_turn(k)
-
-    def _advance(self, k: int) -> None:
-        """Pass the turn on from ``k`` (lock held); after the last active worker, run the round."""
-        nxt = next((j for j in self.active if j > k), None)
-        if nxt is not None:
-            self.turn = nxt
-        else:
-            if self.pending:
-                calls = [self.pending[j] for j in sorted(self.pending)]
-                self.pending = {}
+    def run(self, fns: Sequence[Callable[[Any], Any]]) -> tuple[list[Any], list[BaseException | None]]:
+        n = self.n
+        lets = [greenlet(lambda k=k, fn=fn: fn(_Proxy(self, k)), parent=self.scheduler)
+                for k, fn in enumerate(fns)]
+        results: list[Any] = [None] * n
+        errors: list[BaseException | None] = [None] * n
+        active = list(range(n))
+        while active:
+            pending: list[_Call] = []
+            still: list[int] = []
+            for k in active:
                 try:
-                    execute(self.real, calls)
+                    got = lets[k].switch()
+                except BaseException as exc:  # noqa: BLE001 - raised after the others, in tensor order
+                    errors[k] = exc
+                    continue
+                if lets[k].dead:
+                    results[k] = got
+                else:
+                    pending.append(got)
+                    still.append(k)
+            if pending:
+                try:
+                    execute(self.real, pending)
                 except BaseException as exc:  # noqa: BLE001 - every waiting call re-raises it
-                    for c in calls:
+                    for c in pending:
                         if c.error is None:
                             c.error = exc
-            self.turn = self.active[0] if self.active else self.n
-        if self.turn < self.n and self.turn != k:
-            self.conds[self.turn].notify()
+            active = still
+        return results, errors
 
 
 def execute(real: Any, calls: Sequence[_Call]) -> None:
@@ -216,7 +212,7 @@ def execute(real: Any, calls: Sequence[_Call]) -> None:
             _fused_check_allgather(real, group)
         else:
             c = group[0]
-            target = real.comm if c.kind == "check_generic" else real
+            target = _check_group(real) if c.kind == "check_generic" else real
             previous = real._phase
             real._phase = c.phase
             try:
@@ -264,11 +260,22 @@ def _fused_allgather(real: Any, group: list[_Call]) -> None:
         real._account_as(c.phase, "allgather", n * (real.size - 1), n * (real.size - 1))
 
 
+def _check_group(real: Any) -> Any:
+    """The private duplicate ``runtime.consistency`` runs its checks on (created once per communicator)."""
+    from ..runtime.consistency import check_comm  # noqa: PLC0415 - the checks' own cache, one level up
+    group = check_comm(real)
+    return group if group is not None else real.comm
+
+
 def _fused_check_allgather(real: Any, group: list[_Call]) -> None:
+    """The round's agreements (and signature digests) as one allgather, timed under ``agree``
+    as ``runtime.consistency`` times each of them: where a rank waits for late peers."""
     raw = [c.args[0].reshape(-1).view(np.uint8) for c in group]
     send = np.concatenate(raw)
     out = np.empty((real.size, send.size), dtype=np.uint8)
-    real.comm.Dup().Allgather(send, out)
+    timed = real.in_mpi("agree") if hasattr(real, "in_mpi") else contextlib.nullcontext()
+    with timed:
+        _check_group(real).Allgather(send, out)
     offset = 0
     for c, b in zip(group, raw):
         c.result = out[:, offset:offset + b.size].reshape(real.size, b.size)
@@ -316,12 +323,11 @@ class Lockstep:
     ``comm`` must support ``unaccounted()`` and ``_account_as`` (the
     :class:`~.accounting.Accounting` backends); results come back in order,
     and the first exception (in tensor order) is raised after all have ended.
+    Everything runs on the calling thread.
     """
 
     def __init__(self, comm: Any) -> None:
         self.comm = comm
-        self._pool: ThreadPoolExecutor | None = None
-        self._workers = 0
 
     @staticmethod
     def supports(comm: Any) -> bool:
@@ -335,31 +341,14 @@ class Lockstep:
             return []
         if n == 1:
             return [fns[0](self.comm)]
-        if self._pool is None or self._workers < n:
-            if self._pool is not None:
-                self._pool.shutdown(wait=True)
-            self._workers = max(n, 2 * self._workers)
-            self._pool = ThreadPoolExecutor(max_workers=self._workers,
-                                            thread_name_prefix="hvdc-lockstep")
-        rnd = _Round(self.comm, n)
-        futures = [self._pool.submit(rnd.worker, k, fn) for k, fn in enumerate(fns)]
-        results, first_error = [], None
-        for f in futures:
-            try:
-                results.append(f.result())
-            except BaseException as exc:  # noqa: BLE001
-                results.append(None)
-                if first_error is None:
-                    first_error = exc
+        results, errors = _Round(self.comm, n).run(fns)
+        first_error = next((e for e in errors if e is not None), None)
         if first_error is not None:
             raise first_error
         return results
 
     def close(self) -> None:
-        """Stop the worker threads."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        """Nothing to stop (no threads); kept for callers that release a runner."""
 
 
 __all__ = ["Lockstep", "fused_allreduce", "fused_check_allgather"]

@@ -6,8 +6,11 @@ order their gradients become ready, i.e. reverse registration order) and
 packed greedily until a bucket would exceed ``bucket_bytes`` (a tensor larger
 than the cap gets a bucket of its own). Tensors of different working dtype
 (float64 vs. everything else, computed in float32) never share a bucket.
-Matrix methods (``layout == "matrix"``) run per tensor: every tensor is its
-own bucket and keeps its shape.
+Matrix methods (``layout == "matrix"``) run per tensor, each tensor in its own
+shape, but are grouped the same way (``fused=False``): a group is launched when
+all its gradients are in, and its tensors' collectives go out fused, one per
+round (:class:`~.per_tensor.PerTensorReducer`), as PyTorch's ``powerSGD_hook``
+does on a DDP bucket.
 """
 from __future__ import annotations
 
@@ -57,10 +60,7 @@ def plan_buckets(specs: list[TensorSpec], layout: str,
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     buckets: list[Bucket] = []
-    if layout == "matrix":
-        for i, s in enumerate(specs):
-            buckets.append(Bucket(i, s.name, [s], _work_dtype(s.dtype), fused=False, offsets=[0]))
-        return buckets
+    fused = layout != "matrix"
     current: list[TensorSpec] = []
     current_bytes = 0
     current_dtype: np.dtype | None = None
@@ -69,8 +69,8 @@ def plan_buckets(specs: list[TensorSpec], layout: str,
         nonlocal current, current_bytes
         if current:
             offs = np.concatenate([[0], np.cumsum([s.numel for s in current])[:-1]]).astype(int)
-            buckets.append(Bucket(len(buckets), f"bucket{len(buckets)}", current,
-                                  current_dtype, fused=True, offsets=[int(o) for o in offs]))
+            buckets.append(Bucket(len(buckets), f"bucket{len(buckets)}" if fused else f"group{len(buckets)}",
+                                  current, current_dtype, fused=fused, offsets=[int(o) for o in offs]))
         current, current_bytes = [], 0
 
     for s in specs:

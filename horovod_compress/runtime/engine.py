@@ -1,4 +1,4 @@
-"""The exchange engine: fused buckets, compressed allreduce, overlap with backward.
+"""The exchange engine: fused buckets (or a matrix method's groups), compressed allreduce, overlap.
 
 Front-ends call :meth:`GradientExchange.submit` as each gradient becomes
 ready (a backward hook) and :meth:`GradientExchange.finish` before the
@@ -8,6 +8,9 @@ collectives in the same order, whatever order their hooks fire in. With
 ``overlap=True`` launched buckets are reduced on one communication thread
 (mpi4py releases the GIL inside MPI calls and NumPy inside its kernels) while
 autograd goes on computing the remaining gradients; ``finish`` waits for it.
+A matrix method's group (``runtime.buckets``) runs each tensor in its own
+shape, the group's collectives fused one per round
+(:class:`~.per_tensor.PerTensorReducer`).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import numpy as np
 from ..kernels.arrays import as_module_array, get_array_module, is_gpu_array
 from .buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorSpec, plan_buckets
 from .consistency import check_same_tensors
+from .per_tensor import PerTensorReducer
 
 
 class GradientExchange:
@@ -48,6 +52,7 @@ class GradientExchange:
         self.buckets: list[Bucket] = plan_buckets(self.specs, method.layout, bucket_bytes)
         self._where = {s.name: (b.index, j) for b in self.buckets for j, s in enumerate(b.specs)}
         self.overlap = overlap and self._threads_allowed()
+        self.per_tensor = PerTensorReducer()   # a matrix method's groups, collectives fused
         self.comm_seconds = 0.0  # time spent inside the method's allreduce (all buckets)
         self.wait_seconds = 0.0  # time finish() waited for communication
         self._reset_step()
@@ -59,7 +64,7 @@ class GradientExchange:
         self._inputs: list[list[np.ndarray | None]] = [[None] * len(b.specs) for b in self.buckets]
         self._missing = [len(b.specs) for b in self.buckets]
         self._next_launch = 0
-        self._results: list[np.ndarray | None] = [None] * len(self.buckets)
+        self._results: list[Any] = [None] * len(self.buckets)   # an array per fused bucket, a list per group
         self._error: BaseException | None = None
         self._done = threading.Event()
         self._launched = 0
@@ -125,7 +130,7 @@ class GradientExchange:
                     start = bucket.offsets[j]
                     out[spec.name] = avg[start:start + spec.numel].reshape(spec.shape)
                 else:
-                    out[spec.name] = avg.reshape(spec.shape)
+                    out[spec.name] = avg[j].reshape(spec.shape)
         return out
 
     # ------------------------------------------------------------- reducing
@@ -140,9 +145,11 @@ class GradientExchange:
                 for j, grad in enumerate(inputs):
                     start = bucket.offsets[j]
                     x[start:start + grad.size] = as_module_array(grad, xp).reshape(-1)
+                self._results[b] = self.method.allreduce(x, bucket.name, self.comm)
             else:
-                x = inputs[0] if is_gpu_array(inputs[0]) else np.asarray(inputs[0])
-            self._results[b] = self.method.allreduce(x, bucket.name, self.comm)
+                xs = [g if is_gpu_array(g) else np.asarray(g) for g in inputs]
+                self._results[b] = self.per_tensor.reduce(self.method, self.comm, xs,
+                                                          [s.name for s in bucket.specs])
         except BaseException as exc:  # noqa: BLE001 - surfaced in finish()
             if self._error is None:
                 self._error = exc
@@ -166,13 +173,16 @@ class GradientExchange:
             self._done.set()
 
     def close(self) -> None:
-        """Stop the communication thread (also done at interpreter exit)."""
+        """Stop the communication thread and the lockstep workers (also done at interpreter exit)."""
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
+        self.per_tensor.close()
 
-    @staticmethod
-    def _threads_allowed() -> bool:
+    def _threads_allowed(self) -> bool:
+        allowed = getattr(self.comm, "threads_allowed", None)
+        if callable(allowed):
+            return bool(allowed())
         from mpi4py import MPI
         return MPI.Query_thread() >= MPI.THREAD_SERIALIZED
 

@@ -15,9 +15,10 @@ views of the framework's memory, and how to write results back) and calls
   PyTorch's ``powerSGD_hook`` does ("PowerSGD: Practical Low-Rank Gradient
   Compression for Distributed Optimization", Vogels et al., NeurIPS 2019,
   Section 4: one collective per round for all of a bucket's ``P``\\ s, one
-  for its ``Q``\\ s): through the method's ``allreduce_many`` where it has one,
-  else in lockstep (:class:`~horovod_compress.mpi_collectives.lockstep.Lockstep`),
-  else (``lockstep = False``) one by one -- the same results and bytes;
+  for its ``Q``\\ s), through :class:`~.per_tensor.PerTensorReducer` (the
+  optimizers' engine uses the same): the method's ``allreduce_many`` where
+  it has one, else in lockstep, else (``lockstep = False``) one by one --
+  the same results and bytes;
 * the bucket layout across DDP's rebuild and a checkpoint restore
   (:class:`~.hook_buckets.HookBuckets`); the state of flat buckets that no
   longer exist is dropped;
@@ -45,8 +46,8 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 
 from ..kernels.arrays import get_array_module, to_host
-from ..mpi_collectives.lockstep import Lockstep
 from .hook_buckets import FLAT_PREFIX, HookBuckets, flat_key
+from .per_tensor import PerTensorReducer
 from .session import StepSettings
 from .stats import ExchangeStats, record_error, ring_allreduce_bytes, skipped_count
 
@@ -104,15 +105,23 @@ class HookExchange:
         self.stats = stats if stats is not None else ExchangeStats()
         self.buckets = HookBuckets()
         self.named = False
-        self.lockstep = True
         self.record: list[tuple[str, np.ndarray, np.ndarray | None]] | None = None
         self.calls = 0                # buckets reduced (hook calls)
         self.comm_seconds = 0.0       # inside the method's allreduce
         self.step_skipped = False
         self._skipped_at_begin = 0
-        self._lockstep: Lockstep | None = None
+        self._per_tensor = PerTensorReducer()
         self._dense_method: Any = None
         self._new_iteration()
+
+    @property
+    def lockstep(self) -> bool:
+        """Fuse a bucket's per-parameter collectives (:class:`~.per_tensor.PerTensorReducer`)."""
+        return self._per_tensor.lockstep
+
+    @lockstep.setter
+    def lockstep(self, value: bool) -> None:
+        self._per_tensor.lockstep = bool(value)
 
     @property
     def wait_seconds(self) -> float:
@@ -198,10 +207,10 @@ class HookExchange:
         A method with a bucket-level path (``allreduce_many``: PowerSGD) runs
         the whole bucket on this thread, one fused collective per round, and
         writes the averages straight into the arrays (views of the bucket);
-        the others run in lockstep (one thread per tensor, the same fusion).
+        the others run in lockstep (one greenlet per tensor, the same fusion).
         """
         comm, method = self.comm, self._active
-        if not (self.lockstep and Lockstep.supports(comm)):
+        if not self._per_tensor.fuses(comm):
             for slot, name in zip(slots, names):
                 self._reduce_slot(slot, name)
             return
@@ -209,17 +218,7 @@ class HookExchange:
         keep = self.record is not None or self._probe is not None
         inputs = [_host_copy(x) for x in xs] if keep else None
         t0 = time.perf_counter()
-        many = getattr(method, "allreduce_many", None)
-        if many is not None and method.can_reduce_many(xs, comm):
-            outs = many(xs, names, comm, out=xs)
-        elif len(xs) > 1:
-            if self._lockstep is None:
-                self._lockstep = Lockstep(comm)
-            outs = self._lockstep.run([
-                (lambda c, x=x, name=name: method.allreduce(x, name, c))
-                for x, name in zip(xs, names)])
-        else:
-            outs = [method.allreduce(xs[0], names[0], comm)]
+        outs = self._per_tensor.reduce(method, comm, xs, names, out=xs)
         self.comm_seconds += time.perf_counter() - t0
         for j, (slot, name, avg) in enumerate(zip(slots, names, outs)):
             if inputs is not None:

@@ -33,7 +33,7 @@ average over ranks in a completed ``torch.futures.Future``:
   a sequential run (``hook.state.lockstep = False`` runs them one by one).
   PowerSGD does it itself (``PowerSGD.allreduce_many``: the whole bucket on
   the hook's thread, the estimates written straight into the bucket); the
-  other matrix methods run in lockstep, one thread per parameter
+  other matrix methods run in lockstep, one greenlet per parameter
   (:class:`~horovod_compress.mpi_collectives.lockstep.Lockstep`).
 
 Everything else is the method's own: error feedback (``feedback=``), warm-up
