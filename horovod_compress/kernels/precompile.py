@@ -30,10 +30,11 @@ from typing import Any
 
 import numpy as np
 
-#: Gradient shapes: one matrix every compressor compresses, one vector (dense paths, flat buckets),
-#: and one vector large enough for the pipelined rings and shared-memory windows (payloads of
-#: at least 64 KiB: fp16's 2 bytes and Global-QSGD's 1 byte per element).
-SHAPES = ((96, 160), (2048,), (70_000,))
+#: Gradient shapes: one matrix every compressor compresses and its tall transpose (the low-rank
+#: methods work on tall matrices transposed, with kernels of their own layout), one vector (dense
+#: paths, flat buckets), and one vector large enough for the pipelined rings and shared-memory
+#: windows (payloads of at least 64 KiB: fp16's 2 bytes and Global-QSGD's 1 byte per element).
+SHAPES = ((96, 160), (160, 96), (2048,), (70_000,))
 
 
 def _variants(name: str) -> list[dict[str, Any]]:
