@@ -254,6 +254,20 @@ def test_profile_reads_the_recorded_gaps_beside_the_sizes():
     assert old.call_gaps == {} and old.gaps_of("allreduce", 2, 0.5) == [0.5, 0.5]
 
 
+def test_a_fused_group_is_priced_as_the_calls_on_the_wire():
+    """A matrix method's group goes out fused (runtime/per_tensor.py): the communicator counts 72
+    per-tensor allreduces, the call log two fused ones carrying the same bytes. The model takes the
+    log's two calls (and scales them to other P as two); a log whose bytes differ is not taken."""
+    from horovod_compress.bench.e2e_calls import GAP_SUFFIX
+    m = {"compute_cpu_s": 0.1, "compress_cpu_s": 0.05,
+         "ops": {"allreduce": {"calls": 72.0, "sent": 3e6, "received": 3e6}}}
+    prof = profile_of("powersgd", m, 4, {"allreduce": [1e6, 2e6], "allreduce" + GAP_SUFFIX: [0.02, 0.01]})
+    assert prof.call_bytes == {"allreduce": [1e6, 2e6]} and prof.ops["allreduce"].calls == 2
+    assert prof.scaled(64).ops["allreduce"].calls == 2
+    other = profile_of("powersgd", m, 4, {"allreduce": [1e6, 1e6]})      # 2 MB logged, 3 MB measured
+    assert other.call_bytes == {} and other.ops["allreduce"].calls == 72
+
+
 def test_each_direction_of_a_link_has_its_own_token_bucket():
     """gTop-k's root receives a partner's top-k point to point, then broadcasts: the broadcast
     leaves through the outgoing bucket, which the receive did not drain."""
