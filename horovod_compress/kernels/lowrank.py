@@ -131,36 +131,21 @@ def add_lowrank_and_probe(mat: np.ndarray, base: np.ndarray, q: np.ndarray, c: n
             out[i, k] = acc
 
 
-@njit(cache=True, fastmath=_FLAGS)
 def add_and_probe_rows(mat_t: np.ndarray, err_t: np.ndarray, xi: np.ndarray, out: np.ndarray,
                        dst_t: np.ndarray) -> None:
     """:func:`add_and_probe` on a tall tensor, in the tensor's own (transposed) orientation.
 
     A GreedyLore tensor with more rows than columns is worked on as
     ``A = M^T`` (m x n, m the short side); its arrays are row-major n x m
-    (``mat_t = A^T``'s gradient part, ``err_t``, ``dst_t``), so this sweeps
-    their n short rows once: ``dst_t = mat_t + err_t`` and ``out[:, k] = A
-    xi[k] = sum_i dst_t[i, :] xi[k, i]``, accumulated in float64 (``probes x
-    m`` sums, in L1). ``dst_t`` may be ``err_t``. ``xi``: (probes, n);
-    ``out``: (m, probes).
+    (``mat_t``, ``err_t``, ``dst_t``), so this sweeps their n short rows
+    once: ``dst_t = mat_t + err_t`` and ``out[:, k] = A xi[k] = sum_i
+    dst_t[i, :] xi[k, i]``, accumulated in float64 (``probes x m`` sums, in
+    L1). ``dst_t`` may be ``err_t``. ``xi``: (probes, n); ``out``: (m,
+    probes). :func:`add_lowrank_and_probe_rows` with no pending error (r = 0).
     """
     n, m = dst_t.shape
-    probes = xi.shape[0]
-    acc = np.zeros((probes, m), dtype=np.float64)
-    for i in range(n):
-        row = dst_t[i]
-        old = err_t[i]
-        src = mat_t[i]
-        for j in range(m):
-            row[j] = old[j] + src[j]
-        for k in range(probes):
-            x = xi[k, i]
-            a = acc[k]
-            for j in range(m):
-                a[j] += row[j] * x
-    for k in range(probes):
-        for j in range(m):
-            out[j, k] = acc[k, j]
+    add_lowrank_and_probe_rows(mat_t, err_t, np.zeros((n, 0), dtype=dst_t.dtype),
+                               np.zeros((0, m), dtype=dst_t.dtype), xi, out, dst_t)
 
 
 @njit(cache=True, fastmath=_FLAGS)
@@ -171,10 +156,12 @@ def add_lowrank_and_probe_rows(mat_t: np.ndarray, base_t: np.ndarray, c_t: np.nd
 
     ``dst_t = mat_t + base_t - c_t @ q_t``, i.e. ``A_i^T = M_i^T + (base -
     Q C_i)^T`` with ``c_t = C_i^T`` (n x r) and ``q_t = Q^T`` (r x m), and
-    ``out[:, k] = A xi[k]`` as in :func:`add_and_probe_rows`: one sweep of
-    the n short rows, the rank-r correction from ``q_t``'s rows in cache.
-    ``r`` must be a multiple of 4 (:func:`pad_rank`); ``dst_t`` must not
-    overlap ``base_t``.
+    ``out[:, k] = A xi[k] = sum_i dst_t[i, :] xi[k, i]`` (``xi``: (probes,
+    n); ``out``: (m, probes)), accumulated in float64 (``probes x m`` sums,
+    in L1): one sweep of the n short rows, the rank-r correction from
+    ``q_t``'s rows in cache. ``r`` must be a multiple of 4 (:func:`pad_rank`),
+    and ``dst_t`` must not overlap ``base_t`` unless r = 0
+    (:func:`add_and_probe_rows`: no pending error, in place allowed).
     """
     n, m = dst_t.shape
     r = q_t.shape[0]
