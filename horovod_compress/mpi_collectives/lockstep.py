@@ -347,8 +347,5 @@ class Lockstep:
             raise first_error
         return results
 
-    def close(self) -> None:
-        """Nothing to stop (no threads); kept for callers that release a runner."""
-
 
 __all__ = ["Lockstep", "fused_allreduce", "fused_check_allgather"]

@@ -173,11 +173,10 @@ class GradientExchange:
             self._done.set()
 
     def close(self) -> None:
-        """Stop the communication thread and the lockstep workers (also done at interpreter exit)."""
+        """Stop the communication thread (also done at interpreter exit)."""
         if self._thread is not None and self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
-        self.per_tensor.close()
 
     def _threads_allowed(self) -> bool:
         allowed = getattr(self.comm, "threads_allowed", None)

@@ -57,8 +57,5 @@ class PerTensorReducer:
         return Lockstep(comm).run([(lambda c, x=x, name=name: method.allreduce(x, name, c))
                                    for x, name in zip(xs, names)])
 
-    def close(self) -> None:
-        """Nothing held between groups (the lockstep runner's greenlets end with each group)."""
-
 
 __all__ = ["PerTensorReducer"]
