@@ -135,6 +135,31 @@ def test_fit_link_on_the_testbed_rounds_and_bucket():
     assert predict(gather, net).transfer_s == pytest.approx((1e7 - b) / (eff * 1e9 / 8))
 
 
+def test_probe_passes_pool_their_samples():
+    """A run probes before each round and after the last; one slow pass must not become the link."""
+    from horovod_compress.bench.e2e_worker import merge_probes, probe_passes
+
+    def one_pass(large: float) -> dict:
+        op = {"large_bytes": 1000.0, "idle_cpu_s": 0.05,
+              "small_samples_s": [1e-4] * 3, "small_rank_samples_s": [8e-5] * 3,
+              "large_samples_s": [large, large * 1.1], "large_rank_samples_s": [large * 0.9, large],
+              "size_samples": [{"bytes": 10.0, "slowest_s": [large / 4], "rank_mean_s": [large / 5]}]}
+        curve = [{"work_s": 1e-4, "call_mean_s": large / 100, "call_median_s": large / 200,
+                  "call_p90_s": large / 50}]
+        return {"allreduce": op, "interleaved": {"call_s": 0.0, "call_mean_s": 0.0, "curve": curve}}
+    assert probe_passes(2) == 3
+    merged = merge_probes([one_pass(1.0), one_pass(2.0), one_pass(1.0)])["allreduce"]
+    # six samples each: 0.9 1.0 | 1.8 2.0 | 0.9 1.0 -> the median of the pool, not of the slow pass
+    assert merged["large_rank_mean_s"] == pytest.approx(1.0)
+    assert merged["large_s"] == pytest.approx(1.1)
+    assert len(merged["large_samples_s"]) == len(merged["large_rank_samples_s"]) == 6
+    assert merged["sizes"] == [[10.0, pytest.approx(0.25)]] and merged["sizes_rank_mean"] == [[10.0, 0.2]]
+    inter = merge_probes([one_pass(1.0), one_pass(2.0)])["interleaved"]
+    assert inter["call_mean_s"] == pytest.approx(0.015) and inter["curve"][0]["call_p90_s"] == pytest.approx(0.03)
+    with pytest.raises(ValueError):
+        merge_probes([])
+
+
 def test_spec_validation():
     assert parse_rate("100mbit") == 1e8 and parse_rate("10gbit") == 1e10
     for bad in ({"bandwidth": "fast"}, {"hosts": 0}, {"name": "Bad-Name"}, {"subnet": "10.1"},
@@ -265,6 +290,10 @@ def test_bench_e2e_writes_its_tables(tmp_path):
         # no op moves its bytes more than P times faster than the link)
         assert len(curve) >= 2 and all(0 < eta <= run["world_size"] for _, eta in curve), (op, curve)
         assert [b for b, _ in curve] == sorted(b for b, _ in curve)
+    # the links were probed before each of the 2 rounds and after the last, the passes' samples pooled
+    assert run["probe_passes"] == 3
+    assert all(len(v["large_rank_samples_s"]) == len(v["large_samples_s"]) >= 3
+               for op, v in run["probe"].items() if op != "interleaved")
     # each probe holds the slowest rank's time and the mean over ranks (never above it), and the
     # model's rate is fitted to the mean: what a step's comm time (each rank's MPI time, averaged) is
     for op, v in run["probe"].items():

@@ -5,9 +5,10 @@ For each P in ``--hosts`` the launcher builds an emulated cluster of P hosts
 links and runs :mod:`.e2e_worker` with one rank per host. Every rank gets
 its share of the cores (threads = cores // P, at least 1), and says so.
 
-The worker first probes the links (small and 16 MiB messages of each
-collective the methods use) -- what the links really carry -- then times
-``--steps`` training steps per method. The launcher fits the alpha-beta model
+The worker probes the links (small to 16 MiB messages of each collective
+the methods use) -- what the links really carry -- before each round of the
+methods and after the last, pooling the passes' samples, and times
+``--steps`` training steps per method in each round. The launcher fits the alpha-beta model
 to the probes (:func:`horovod_compress.cost_model.fit_link`: per collective
 kind its alpha and carried rate, the links' token bucket, a per-round latency
 floor measured between bursts of CPU work, the rounds of the algorithm the
@@ -229,7 +230,8 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as exc:
             tqdm.write(f"[e2e] P={p} {bw}: {exc}", file=sys.stderr)
             failed.append({"world_size": p, "bandwidth": bw, "error": str(exc)[-3000:]})
-    total = len(args.hosts) * len(bws) * (len(methods) * args.rounds + 1)
+    from .e2e_worker import probe_passes
+    total = len(args.hosts) * len(bws) * (len(methods) * args.rounds + probe_passes(args.rounds))
     with tempfile.TemporaryDirectory(prefix="hvdc-e2e-") as tmp, \
             tqdm(total=total, desc="e2e", unit="item", file=sys.stderr) as bar:
         for p in args.hosts:

@@ -18,8 +18,9 @@ point-to-point ring of ``reduce_ops`` is counted as an allreduce, as always;
 the worker also records its share (``transport.ring``: calls, bytes, and the
 wall and CPU time of the method's work the ring ran between its progress
 calls), so the model can price those bytes at the point-to-point probe's rate.
-The link probes time each large message after a burst of CPU work that leaves
-the links idle, as a step's exchange meets them, and the interleaved probe
+The link probes run before each round of the methods and after the last (their
+samples pooled: :func:`merge_probes`), and time each large message after a burst
+of CPU work that leaves the links idle, as a step's exchange meets them, and the interleaved probe
 times tiny allreduces between CPU bursts of several lengths (mean, median,
 90th percentile per call). The same parts are also taken in thread CPU
 time (``time.process_time``: the lockstep workers of a matrix method's group
@@ -70,9 +71,9 @@ def _cpu_burst(seconds: float, data: np.ndarray) -> float:
     return time.thread_time() - c0
 
 
-def _timed(comm: Any, fn: Any, repeats: int, before: Any = None) -> tuple[float, list[float], float]:
-    """Wall time of ``fn()``, all ranks starting together: (median over repeats of the slowest
-    rank's time, every repeat's slowest, median over repeats of the mean over ranks).
+def _timed(comm: Any, fn: Any, repeats: int, before: Any = None) -> tuple[list[float], list[float]]:
+    """Wall time of ``fn()``, all ranks starting together: (each repeat's slowest rank's time,
+    each repeat's mean over ranks).
 
     ``before()`` runs before each repeat's barrier (e.g. a burst of CPU work that leaves the links idle).
     The mean over ranks is the statistic a step's measured communication time takes (each rank's
@@ -90,7 +91,7 @@ def _timed(comm: Any, fn: Any, repeats: int, before: Any = None) -> tuple[float,
     own = np.array(times)
     slowest = comm.allreduce(own, "max")
     mean = comm.allreduce(own, "sum") / comm.size
-    return float(np.median(slowest)), [float(t) for t in slowest], float(np.median(mean))
+    return [float(t) for t in slowest], [float(t) for t in mean]
 
 
 def _ring_probe(comm: Any, nbytes: int) -> Any:
@@ -117,13 +118,14 @@ def _ring_probe(comm: Any, nbytes: int) -> Any:
     return run
 
 
-def probe_links(comm: Any, repeats: int) -> dict[str, Any]:
-    """Small- and large-message times of each collective the methods use, and its bytes per rank;
-    ``sizes``: the same call at the message sizes of :data:`PROBE_SIZES` (``[bytes per rank, s]``).
+def probe_links(comm: Any, repeats: int, passes: int = 1) -> dict[str, Any]:
+    """One pass of the probes: small- and large-message times of each collective the methods use,
+    and its bytes per rank; ``size_samples``: the same call at the message sizes of :data:`PROBE_SIZES`.
 
-    Each time is the median over ``repeats`` of the slowest rank's (``small_s``, ``large_s``,
-    ``sizes``) and of the mean over ranks (``small_rank_mean_s``, ``large_rank_mean_s``,
-    ``sizes_rank_mean``); the model is fitted to the latter (see :func:`_timed`)."""
+    Every time is kept as ``repeats`` samples (``small`` ones ``3 * repeats``) of the slowest rank's
+    time and of the mean over ranks (see :func:`_timed`); :func:`merge_probes` turns one or more
+    passes into the medians the model is fitted to. ``passes`` (how many this run makes) divides
+    the interleaved probe's CPU budget among them."""
     p, rank = comm.size, comm.rank
     out: dict[str, Any] = {}
     small = np.zeros(PROBE_SMALL // 4, np.float32)
@@ -173,26 +175,73 @@ def probe_links(comm: Any, repeats: int) -> dict[str, Any]:
     for op, f_small in tiny.items():
         f_large = by_size[PROBE_LARGE][op]
         nbytes = volume(f_large) if op != "p2p" else float(PROBE_LARGE)
-        t_small, _, small_mean = _timed(comm, f_small, repeats * 3)
-        t_large, samples, large_mean = _timed(comm, f_large, repeats, before=idle)
-        sizes, sizes_mean = [], []
+        small_slowest, small_mean = _timed(comm, f_small, repeats * 3)
+        large_slowest, large_mean = _timed(comm, f_large, repeats, before=idle)
+        sizes = []
         for size in PROBE_SIZES:
             f = by_size[size][op]
             moved = volume(f) if op != "p2p" else float(size)
-            slowest, _, mean = _timed(comm, f, repeats, before=idle)
-            sizes.append([moved, slowest])
-            sizes_mean.append([moved, mean])
-        out[op] = {"small_s": t_small, "large_s": t_large, "large_bytes": nbytes, "large_samples_s": samples,
-                   "idle_cpu_s": PROBE_IDLE_CPU_S, "sizes": sizes,
-                   "small_rank_mean_s": small_mean, "large_rank_mean_s": large_mean,
-                   "sizes_rank_mean": sizes_mean}
-    out["interleaved"] = probe_interleaved(comm, repeats * 10)
+            slowest, mean = _timed(comm, f, repeats, before=idle)
+            sizes.append({"bytes": moved, "slowest_s": slowest, "rank_mean_s": mean})
+        out[op] = {"large_bytes": nbytes, "idle_cpu_s": PROBE_IDLE_CPU_S,
+                   "small_samples_s": small_slowest, "small_rank_samples_s": small_mean,
+                   "large_samples_s": large_slowest, "large_rank_samples_s": large_mean,
+                   "size_samples": sizes}
+    out["interleaved"] = probe_interleaved(comm, repeats * 10, budget_s=INTERLEAVED_BUDGET_S / passes)
     comm.reset_stats()
     return out
 
 
-def probe_interleaved(comm: Any, iterations: int,
-                      work_s: tuple[float, ...] = INTERLEAVED_WORK_S) -> dict[str, Any]:
+def probe_passes(rounds: int) -> int:
+    """How many times a run probes its links: before each round of the methods and after the last,
+    so the probes sample the links across the whole time the methods were measured in."""
+    return rounds + 1
+
+
+def merge_probes(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """One probe table from several passes of :func:`probe_links`: every statistic is the median
+    of all passes' samples pooled (the interleaved probe's: the mean over passes).
+
+    The links of a shared machine have slow phases (at P = 2, 1 Gbit one run's probes carried
+    0.51 Gbit/s point to point where the dense steps minutes later carried 0.91); a median over
+    samples taken before, between and after the methods' rounds is the link those rounds met,
+    where one pass is whatever phase it fell in. The fields are those one pass has always had:
+    ``small_s``/``large_s``/``sizes`` (slowest rank) and ``small_rank_mean_s``/
+    ``large_rank_mean_s``/``sizes_rank_mean`` (mean over ranks; the model is fitted to these),
+    ``large_samples_s`` and ``large_rank_samples_s`` (every pass's samples)."""
+    if not passes:
+        raise ValueError("merge_probes needs at least one probe pass")
+    out: dict[str, Any] = {}
+    for op in passes[0]:
+        if op == "interleaved":
+            continue
+        raw = [pp[op] for pp in passes]
+        pool = {key: [t for r in raw for t in r[key]]
+                for key in ("small_samples_s", "small_rank_samples_s", "large_samples_s", "large_rank_samples_s")}
+        sizes, sizes_mean = [], []
+        for i, first in enumerate(raw[0]["size_samples"]):
+            moved = float(np.median([r["size_samples"][i]["bytes"] for r in raw]))
+            sizes.append([moved, float(np.median([t for r in raw for t in r["size_samples"][i]["slowest_s"]]))])
+            sizes_mean.append([moved, float(np.median([t for r in raw for t in r["size_samples"][i]["rank_mean_s"]]))])
+        out[op] = {"small_s": float(np.median(pool["small_samples_s"])),
+                   "large_s": float(np.median(pool["large_samples_s"])),
+                   "large_bytes": float(np.median([r["large_bytes"] for r in raw])),
+                   "large_samples_s": pool["large_samples_s"],
+                   "large_rank_samples_s": pool["large_rank_samples_s"],
+                   "idle_cpu_s": raw[0]["idle_cpu_s"], "sizes": sizes,
+                   "small_rank_mean_s": float(np.median(pool["small_rank_samples_s"])),
+                   "large_rank_mean_s": float(np.median(pool["large_rank_samples_s"])),
+                   "sizes_rank_mean": sizes_mean}
+    curves = [pp["interleaved"]["curve"] for pp in passes]
+    curve = [{key: float(np.mean([c[i][key] for c in curves])) for key in curves[0][i]}
+             for i in range(len(curves[0]))]
+    out["interleaved"] = {"call_s": curve[0]["call_median_s"], "call_mean_s": curve[0]["call_mean_s"],
+                          "curve": curve}
+    return out
+
+
+def probe_interleaved(comm: Any, iterations: int, work_s: tuple[float, ...] = INTERLEAVED_WORK_S,
+                      budget_s: float = INTERLEAVED_BUDGET_S) -> dict[str, Any]:
     """Tiny allreduces between bursts of CPU work, as a training step issues its calls.
 
     For each CPU work length in ``work_s`` (seconds of this thread's CPU, so
@@ -209,7 +258,7 @@ def probe_interleaved(comm: Any, iterations: int,
     for w in work_s:
         calls, cpu = [], []
         comm.barrier()
-        for _ in range(min(iterations, max(INTERLEAVED_MIN_CALLS, int(INTERLEAVED_BUDGET_S / w)))):
+        for _ in range(min(iterations, max(INTERLEAVED_MIN_CALLS, int(budget_s / w)))):
             cpu.append(_cpu_burst(w, data))
             t0 = time.perf_counter()
             comm.allreduce(small)
@@ -387,7 +436,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure every method this many times, the methods interleaved "
                              "(round 1: A B C, round 2: A B C, ...), each time --warm + --steps steps")
-    parser.add_argument("--probe-repeats", type=int, default=5)
+    parser.add_argument("--probe-repeats", type=int, default=6,
+                        help="samples of each probe in all, spread over the passes (one before each round, "
+                             "one after the last)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", required=True)
     return parser
@@ -408,8 +459,13 @@ def _main(args: argparse.Namespace) -> None:
                               "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                               else os.cpu_count(),
                               "threads_per_rank": torch.get_num_threads(), "methods": {}}
-    result["probe"] = probe_links(comm, args.probe_repeats)
-    progress("probe")
+    n_passes = probe_passes(args.rounds)
+    per_pass = max(1, -(-args.probe_repeats // n_passes))
+    probes: list[dict[str, Any]] = []
+
+    def probe() -> None:
+        probes.append(probe_links(comm, per_pass, n_passes))
+        progress(f"probe ({len(probes)}/{n_passes})")
     model = build_model(args.model)
     result["parameters"] = int(sum(p.numel() for p in model.parameters()))
     result["tensors"] = int(sum(1 for _ in model.parameters()))
@@ -427,6 +483,7 @@ def _main(args: argparse.Namespace) -> None:
     records: dict[str, list[dict[str, Any]]] = {label: [] for _, _, label in specs}
     methods: dict[str, Any] = {}
     for rnd in range(args.rounds):
+        probe()
         for name, params, label in specs:
             if label in result["methods"]:          # failed in an earlier round
                 continue
@@ -440,6 +497,9 @@ def _main(args: argparse.Namespace) -> None:
                 result["methods"][label] = {"error": f"{type(exc).__name__}: {exc}"}
                 comm.barrier()
             progress(label if args.rounds == 1 else f"{label} ({rnd + 1}/{args.rounds})")
+    probe()
+    result["probe"] = merge_probes(probes)
+    result["probe_passes"] = len(probes)
     for _, _, label in specs:
         if label not in result["methods"]:
             result["methods"][label] = _summary(methods[label], comm, records[label])
