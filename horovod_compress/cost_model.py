@@ -77,6 +77,12 @@ quantity, so a preset stays the textbook model):
   two calls are one exchange on a full-duplex link (each direction has its
   own token bucket), so without recorded sizes ``calls / 2`` exchanges of
   ``max(sent, received)`` bytes in all pass through the buckets, not ``calls``.
+  A p2p op that only receives or only sends (gTop-k's tree levels) is one
+  way on the wire and takes the rate of the one-way probe (:data:`ONE_WAY`)
+  where the run has it: with both directions busy (the ring-shift probe) each
+  direction's ACKs queue behind the other's data in the shaper, and at P = 2,
+  100 Mbit a 1 MB ring shift reached 0.62 of the link where one-way transfers
+  of that size (gTop-k's, the broadcast probe's) reached about 0.9.
 * **A per-call wait for peers, measured as a mean at the method's own spacing
   of calls** (``Network.call_wait_curve``): with more ranks than cores a call
   first waits for the peers the scheduler has not run yet, then runs its
@@ -239,6 +245,11 @@ def _log2(p: int) -> float:
 #: The op under which a profile lists the bytes of an allreduce run as a pipelined ring of
 #: point-to-point messages (``reduce_ops.ring_reduce_once``), priced at the p2p probe.
 RING = "ring"
+
+#: The probe of a one-way point-to-point transfer (one direction of a link busy, the other
+#: carrying only TCP's ACKs): a p2p op a rank only receives or only sends in (gTop-k's tree
+#: levels) is priced at its rate where a run has it, not at the ring shift's (both directions busy).
+ONE_WAY = "p2p_oneway"
 
 #: Latency rounds per call of each Communicator operation (Ok-Topk Table 1; a
 #: point-to-point call is one message, counted once on each side, hence 1/2; the
@@ -451,6 +462,10 @@ def predict(profile: StepProfile, network: Network, world_size: int | None = Non
         o = prof.ops[name]
         most = max(o.sent, o.received)
         share_out, share_in = (o.sent / most, o.received / most) if most > 0 else (1.0, 1.0)
+        # a point-to-point op that only receives (or only sends) is one way on the wire
+        one_way = name == "p2p" and min(share_out, share_in) == 0 and \
+            (ONE_WAY in network.efficiency_curve or ONE_WAY in network.efficiency)
+        rate_op = ONE_WAY if one_way else name
         for nbytes, gap, rest in zip(sizes, prof.gaps_of(name, len(sizes), mean_gap),
                                      prof.rests_of(name, len(sizes), mean_gap)):
             rounds = network.rounds(name, p, nbytes)
@@ -471,7 +486,7 @@ def predict(profile: StepProfile, network: Network, world_size: int | None = Non
                 tokens_in = max(0.0, tokens_in - in_bytes)
             else:
                 waiting = nbytes
-            seconds = waiting / (network.eta(name, nbytes) * rate)
+            seconds = waiting / (network.eta(rate_op, nbytes) * rate)
             if name == "p2p":
                 p2p_transfers.append(seconds)
             op_transfer += seconds
@@ -594,7 +609,7 @@ def fit_link(nominal_bandwidth: float, probes: Mapping[str, tuple[float, float, 
     for op, (t_small, t_large, nbytes, p) in probes.items():
         # the p2p probe is a ring shift: every rank sends one message and receives one, i.e. two
         # p2p calls of half a round each -- one round (before, it was taken as half a round)
-        rounds = 1.0 if op in ("p2p", RING) else (shape.rounds(op, int(p), small_bytes) if ring_from is not None
+        rounds = 1.0 if op in ("p2p", RING) else 2.0 if op == ONE_WAY else (shape.rounds(op, int(p), small_bytes) if ring_from is not None
                                           else ROUNDS.get(op, _log2)(int(p))) or 1.0
         op_alpha[op] = t_small / rounds
 

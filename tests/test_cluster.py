@@ -284,7 +284,7 @@ def test_bench_e2e_writes_its_tables(tmp_path):
                 assert len(gaps) == len(rests) == len(sizes), (label, op)
                 assert all(0 <= g <= r + 1e-9 for g, r in zip(gaps, rests)), (label, op, gaps, rests)
     # every collective and the pipelined ring were probed at several sizes: a rate per message size
-    for op in ("allreduce", "allgather", "p2p", "ring"):
+    for op in ("allreduce", "allgather", "p2p", "p2p_oneway", "ring"):
         curve = run["link"][op]["efficiency_curve"]
         # (a mean over ranks can beat the wire where a root returns early: eta > 1 is allowed, but
         # no op moves its bytes more than P times faster than the link)

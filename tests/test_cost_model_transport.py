@@ -13,7 +13,7 @@ import pytest
 
 from horovod_compress.bench.e2e import profile_of
 from horovod_compress.bench.e2e_calls import RING_OP, RingTransport
-from horovod_compress.cost_model import RING, Network, OpCount, StepProfile, fit_link, predict
+from horovod_compress.cost_model import ONE_WAY, RING, Network, OpCount, StepProfile, fit_link, predict
 from horovod_compress.mpi_collectives.accounting import Accounting
 
 RATE = 1e9                      # 1 Gbit/s
@@ -220,6 +220,26 @@ def test_the_ring_takes_its_own_probe_where_there_is_one():
     assert predict(ring, net).transfer_s == pytest.approx(2.3e7 / (0.7 * BPS))
     no_ring_probe = fit_link(RATE, {"p2p": probes["p2p"]}, ring_from=65536)
     assert predict(ring, no_ring_probe).transfer_s == pytest.approx(2.3e7 / (0.9 * BPS))
+
+
+def test_a_one_way_transfer_takes_the_one_way_probe():
+    # gTop-k at P = 2: rank 1 sends its top-k, rank 0 only receives (sent 0): one direction of the
+    # link busy, priced at the one-way probe's rate; Ok-Topk's exchange (both ways) at the ring shift's
+    n = 16 * 2**20
+    probes = {"p2p": (25e-6, 25e-6 + n / (0.6 * BPS), n, 2), ONE_WAY: (50e-6, 50e-6 + n / (0.9 * BPS), n, 2)}
+    net = fit_link(RATE, probes, ring_from=65536)
+    assert net.efficiency[ONE_WAY] == pytest.approx(0.9)
+    assert net.op_alpha[ONE_WAY] == pytest.approx(25e-6)          # a message there and a byte back: two rounds
+    tree = StepProfile("gtopk", 2, 0.1, 0.0, {"p2p": OpCount(1, 0.0, 9e5)})
+    assert predict(tree, net).transfer_s == pytest.approx(9e5 / (0.9 * BPS))
+    both_ways = StepProfile("oktopk", 2, 0.1, 0.0, {"p2p": OpCount(2, 9e5, 9e5)})
+    assert predict(both_ways, net).transfer_s == pytest.approx(9e5 / (0.6 * BPS))
+    # the latency stays the p2p op's (its alpha: the probe of one message each way)
+    assert predict(tree, net).latency_s == predict(tree, fit_link(RATE, {"p2p": probes["p2p"]},
+                                                                  ring_from=65536)).latency_s
+    # a run without the one-way probe prices it at the ring shift's, as before
+    assert predict(tree, fit_link(RATE, {"p2p": probes["p2p"]}, ring_from=65536)).transfer_s == \
+        pytest.approx(9e5 / (0.6 * BPS))
 
 
 def test_recorded_gaps_wait_per_call_not_at_the_mean_gap():

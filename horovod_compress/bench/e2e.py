@@ -51,7 +51,7 @@ TOLERANCE = 0.25
 #: from 64 KiB on (:data:`horovod_compress.cluster.launch.ALLREDUCE_RULES`): the model counts those rounds.
 RING_FROM = 65536
 #: The probes in the link table, in order (a run that lacks one shows '-').
-LINK_COLUMNS = ("p2p", "ring", "allreduce", "allgatherv", "allgather", "alltoallv", "broadcast")
+LINK_COLUMNS = ("p2p", "p2p_oneway", "ring", "allreduce", "allgatherv", "allgather", "alltoallv", "broadcast")
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -530,12 +530,15 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
                 if "steps" in report and "warm" in report and _rounds(runs) > 1 else "")
              + "; speedup = dense step time / method step time, measured in the same run.", ""]
     lines += ["## What the links carry", "",
-              "A 16 MiB message per collective and a ring shift of 16 MiB point to point (also the transport of "
-              "the methods' pipelined ring), each after a burst of CPU work that leaves the links idle as a step's "
+              "A 16 MiB message per collective, a ring shift of 16 MiB point to point (also the transport of "
+              "the methods' pipelined ring) and a one-way transfer of 16 MiB between pairs of ranks "
+              "(p2p_oneway: the receiver answers with one byte; gTop-k's tree levels are priced at it), each "
+              "after a burst of CPU work that leaves the links idle as a step's "
               "compute does (runs that record it), against the nominal rate (effective Gbit/s = bytes moved per "
               "rank x 8 / time; time = the median over repeats of the mean over ranks, as a step's comm time is "
-              "taken, in runs that record it, else of the slowest rank); alpha = small-message time per latency "
-              "round; '-': not probed in that run.", "",
+              "taken, in runs that record it, else of the slowest rank; runs since 2026-11-28 22:30 UTC pool "
+              "the samples of a probe pass before each round and one after the last); alpha = small-message "
+              "time per latency round; '-': not probed in that run.", "",
               "| P | link | " + " | ".join(f"{op} Gbit/s" for op in LINK_COLUMNS) + " | alpha allreduce (us) |",
               "|---|---|" + "---:|" * (len(LINK_COLUMNS) + 1)]
     for r in runs:

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from ..cost_model import ONE_WAY
 from .e2e_calls import RING_OP, RingTransport
 from .e2e_models import build_model, synthetic_batch
 
@@ -146,9 +147,27 @@ def probe_links(comm: Any, repeats: int, passes: int = 1) -> dict[str, Any]:
         req = comm.isend(buf, dest, tag=7)
         comm.recv(src, tag=7, dtype=np.float32)
         req.wait()
+    pair = rank ^ 1                    # ranks 0->1, 2->3, ...: one direction of each pair's link busy
+    ack = np.zeros(1, np.uint8)
+
+    def oneway(buf: np.ndarray) -> None:
+        """``buf`` from the even rank of each pair to the odd one, which answers with one byte once
+        it has all of it: both ranks' time is the one-way wire time (a sender alone would return
+        once its message is in the socket buffers)."""
+        if pair >= p:
+            return
+        if rank % 2 == 0:
+            req = comm.isend(buf, pair, tag=8)
+            comm.recv(pair, tag=9, dtype=np.uint8)
+            req.wait()
+        else:
+            comm.recv(pair, tag=8, dtype=np.float32)
+            comm.isend(ack, pair, tag=9).wait()
     # each collective the methods call (allgather and broadcast have algorithms of their own in
     # Open MPI, so they get their own probe), and point to point: a ring shift of the large
-    # buffer (every link busy both ways), which is also the pipelined ring's transport
+    # buffer (every link busy both ways), which is also the pipelined ring's transport, and a
+    # one-way transfer (gTop-k's tree levels: the reverse direction carries only TCP's ACKs,
+    # which a busy reverse direction queues behind its own data in the shaper)
     def calls(size: int) -> dict[str, Any]:
         """Each probed operation's call moving a message of ``size`` bytes."""
         whole = np.ones(size // 4, np.float32)
@@ -160,6 +179,7 @@ def probe_links(comm: Any, repeats: int, passes: int = 1) -> dict[str, Any]:
             "alltoallv": lambda: comm.alltoallv([part] * p),
             "broadcast": lambda: comm.broadcast(whole),
             "p2p": lambda: shift(whole),
+            ONE_WAY: lambda: oneway(whole),
             "ring": _ring_probe(comm, size),
         }
     tiny = {
@@ -169,18 +189,19 @@ def probe_links(comm: Any, repeats: int, passes: int = 1) -> dict[str, Any]:
         "alltoallv": lambda: comm.alltoallv([small] * p),
         "broadcast": lambda: comm.broadcast(small),
         "p2p": lambda: shift(small),
+        ONE_WAY: lambda: oneway(small),
         "ring": lambda: shift(small),     # the ring's rounds are point-to-point messages
     }
     by_size = {size: calls(size) for size in (PROBE_LARGE, *PROBE_SIZES)}
     for op, f_small in tiny.items():
         f_large = by_size[PROBE_LARGE][op]
-        nbytes = volume(f_large) if op != "p2p" else float(PROBE_LARGE)
+        nbytes = volume(f_large) if op not in ("p2p", ONE_WAY) else float(PROBE_LARGE)
         small_slowest, small_mean = _timed(comm, f_small, repeats * 3)
         large_slowest, large_mean = _timed(comm, f_large, repeats, before=idle)
         sizes = []
         for size in PROBE_SIZES:
             f = by_size[size][op]
-            moved = volume(f) if op != "p2p" else float(size)
+            moved = volume(f) if op not in ("p2p", ONE_WAY) else float(size)
             slowest, mean = _timed(comm, f, repeats, before=idle)
             sizes.append({"bytes": moved, "slowest_s": slowest, "rank_mean_s": mean})
         out[op] = {"large_bytes": nbytes, "idle_cpu_s": PROBE_IDLE_CPU_S,
