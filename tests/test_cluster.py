@@ -160,6 +160,36 @@ def test_probe_passes_pool_their_samples():
         merge_probes([])
 
 
+def test_a_run_whose_ranks_never_start_fails_fast():
+    """The launcher's start watchdog: a job that prints nothing is killed after --start-timeout
+    (not --timeout) with its own error, which the bench answers by launching the run once more;
+    a job whose rank 0 reports in runs to the end."""
+    from horovod_compress.bench.e2e import STARTED_LINE, RanksDidNotStart, _stream
+
+    class Bar:
+        n = 0
+
+        def update(self, k: int) -> None:
+            self.n += k
+
+        def set_postfix_str(self, text: str) -> None:
+            pass
+    env = dict(os.environ)
+    bar = Bar()
+    t0 = time.monotonic()
+    with pytest.raises(RanksDidNotStart, match="no rank started within 1 s"):
+        _stream([sys.executable, "-c", "import time; time.sleep(60)"], env, bar, "P=2 1gbit",
+                timeout=60, start_timeout=1)
+    assert time.monotonic() - t0 < 30
+    script = (f"import time; print({STARTED_LINE!r}, flush=True); time.sleep(2); "
+              "print('HVDC-PROGRESS probe (1/1)', flush=True); print('HVDC-PROGRESS none', flush=True)")
+    _stream([sys.executable, "-c", script], env, bar, "P=2 1gbit", timeout=60, start_timeout=1)
+    assert bar.n == 2
+    with pytest.raises(RuntimeError, match="did not finish within 1 s"):
+        _stream([sys.executable, "-c", f"print({STARTED_LINE!r}, flush=True); import time; time.sleep(60)"],
+                env, bar, "P=2 1gbit", timeout=1, start_timeout=30)
+
+
 def test_spec_validation():
     assert parse_rate("100mbit") == 1e8 and parse_rate("10gbit") == 1e10
     for bad in ({"bandwidth": "fast"}, {"hosts": 0}, {"name": "Bad-Name"}, {"subnet": "10.1"},
@@ -335,6 +365,17 @@ def test_bench_e2e_writes_its_tables(tmp_path):
     assert redone["runs"][0]["methods"]["oktopk"]["comm_s"] == run["methods"]["oktopk"]["comm_s"]
     assert redone["runs"][0]["methods"]["oktopk"]["predicted"] == run["methods"]["oktopk"]["predicted"]
     assert "Analysed again (`--rerender`, the same measurements)" in (again / "e2e.md").read_text()
+    # an invocation whose run failed, merged with one that measured it: no gap is left to report
+    failed = dict(report, runs=[], failed_runs=[{"world_size": run["world_size"], "bandwidth": run["bandwidth"],
+                                                 "error": "benchmark workers failed"}])
+    (again / "failed.json").write_text(json.dumps(failed))
+    proc = subprocess.run([sys.executable, "-m", "horovod_compress.cli", "bench", "e2e", "--rerender",
+                           str(again / "failed.json"), str(out / "e2e.json"), "--out", str(again), "--name", "merged"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged = json.loads((again / "merged.json").read_text())
+    assert merged["failed_runs"] == [] and len(merged["runs"]) == 1
+    assert "Runs that did not finish" not in (again / "merged.md").read_text()
 
 
 def test_communicator_times_mpi_calls():

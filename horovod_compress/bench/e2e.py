@@ -43,6 +43,9 @@ from typing import Any
 from ..cost_model import PROBE_OF, RING, OpCount, StepProfile, break_even_bandwidth, fit_link, predict
 from .e2e_calls import GAP_SUFFIX, REST_SUFFIX
 
+#: The line rank 0 of :mod:`.e2e_worker` prints once every rank is in MPI.
+STARTED_LINE = "HVDC-STARTED"
+
 DEFAULT_BANDWIDTHS = ("100mbit", "1gbit", "10gbit")
 SHM = "shm"
 MODEL_CHECK = ("100mbit", "1gbit")   # where the model must be within 25%
@@ -80,6 +83,9 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--subnet", default=None,
                    help="first three octets of the cluster's /24 (default 10.213.0; give concurrent runs their own)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per (P, bandwidth) run")
+    p.add_argument("--start-timeout", type=float, default=120,
+                   help="seconds for mpirun to bring every rank up; a run whose ranks did not start "
+                        "is launched once more (default 120)")
     p.add_argument("--call-sizes", metavar="JSON", default=None,
                    help="per-call message sizes of each method (default <out>/<name>_calls.json); a measuring "
                         "run records the missing P first, on shared memory (see bench/e2e_calls.py)")
@@ -126,26 +132,45 @@ def _worker_command(p: int, methods: list[str], args: argparse.Namespace, json_p
                      "--warm", str(args.warm), "--rounds", str(getattr(args, "rounds", 1)), "--json", json_path]
 
 
+class RanksDidNotStart(RuntimeError):
+    """mpirun did not bring the workers up (no rank reported in within the start timeout)."""
+
+
 def _stream(cmd: list[str], env: dict[str, str], bar: Any, label: str, timeout: float,
-            json_path: str | None = None) -> None:
+            json_path: str | None = None, start_timeout: float | None = None) -> None:
     """Run the workers, advancing ``bar`` on each progress line; raise with stderr's tail on failure.
 
     A rank that fails writes its traceback to ``<json_path>.rank<r>.err`` (see :mod:`.e2e_worker`):
-    Open MPI may drop an aborting remote rank's stderr, so those files are read too."""
+    Open MPI may drop an aborting remote rank's stderr, so those files are read too.
+    ``start_timeout``: seconds until rank 0 must have reported in (its ``HVDC-STARTED`` line, once
+    every rank is in MPI), else :class:`RanksDidNotStart`. Once in a long run mpirun launched no
+    workers across the emulated hosts and waited, with no rank and no error, for the whole
+    ``--timeout`` (2026-11-28, P = 4 at 10 Gbit after five runs that started)."""
     import threading
     with tempfile.TemporaryFile(mode="w+") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
-        expired = threading.Event()
+        expired, started, stalled = threading.Event(), threading.Event(), threading.Event()
 
         def expire() -> None:          # a hung job must not hang the benchmark
             expired.set()
             proc.kill()
+
+        def check_start() -> None:
+            if not started.is_set():
+                stalled.set()
+                proc.kill()
         timer = threading.Timer(timeout, expire)
         timer.start()
+        watchdog = threading.Timer(start_timeout, check_start) if start_timeout else None
+        if watchdog is not None:
+            watchdog.start()
         try:
             other: list[str] = []
             for line in proc.stdout:
-                if line.startswith("HVDC-PROGRESS "):
+                if line.startswith(STARTED_LINE):
+                    started.set()
+                elif line.startswith("HVDC-PROGRESS "):
+                    started.set()
                     bar.set_postfix_str(f"{label} {line.split(' ', 1)[1].strip()}")
                     bar.update(1)
                 else:
@@ -157,6 +182,11 @@ def _stream(cmd: list[str], env: dict[str, str], bar: Any, label: str, timeout: 
             raise
         finally:
             timer.cancel()
+            if watchdog is not None:
+                watchdog.cancel()
+        if stalled.is_set():
+            raise RanksDidNotStart(f"benchmark workers at {label}: no rank started within {start_timeout:.0f} s "
+                                   f"of mpirun (--start-timeout)")
         if expired.is_set():
             raise RuntimeError(f"benchmark workers at {label} did not finish within {timeout:.0f} s (--timeout)")
         if rc != 0:
@@ -189,7 +219,10 @@ def run(args: argparse.Namespace) -> int:
                 report[key] = values.pop()
             else:
                 report.pop(key, None)
-        report["failed_runs"] = [f for old in olds for f in old.get("failed_runs", [])]
+        # a run that failed in one invocation and was measured by another one given here is no gap
+        measured = {(r["world_size"], r["bandwidth"]) for r in report["runs"]}
+        report["failed_runs"] = [f for old in olds for f in old.get("failed_runs", [])
+                                 if (f["world_size"], f["bandwidth"]) not in measured]
         if all("namespaces_left" in old for old in olds):   # the runs' own teardown check
             report["namespaces_left"] = [n for old in olds for n in old["namespaces_left"]]
         write_results(report, Path(args.out), args.name)
@@ -224,7 +257,11 @@ def run(args: argparse.Namespace) -> int:
                 extra: dict[str, Any] | None = None) -> None:
         extra = {**(extra or {}), "load_before": os.getloadavg()[0]}   # the machine is shared: say how much
         try:
-            _stream(cmd, env, bar, f"P={p} {bw}", args.timeout, path)
+            try:
+                _stream(cmd, env, bar, f"P={p} {bw}", args.timeout, path, args.start_timeout)
+            except RanksDidNotStart as exc:     # nothing ran: launch it once more
+                tqdm.write(f"[e2e] P={p} {bw}: {exc}; launching it again", file=sys.stderr)
+                _stream(cmd, env, bar, f"P={p} {bw}", args.timeout, path, args.start_timeout)
             runs.append({"bandwidth": bw, **json.loads(Path(path).read_text()), **extra,
                          "load_after": os.getloadavg()[0]})
         except RuntimeError as exc:

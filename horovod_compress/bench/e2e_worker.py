@@ -471,6 +471,9 @@ def _main(args: argparse.Namespace) -> None:
     from ..mpi_collectives import Communicator
     comm = Communicator()
     rank0 = comm.rank == 0
+    comm.barrier()
+    if rank0:                    # every rank is up: the launcher's start watchdog stands down
+        print("HVDC-STARTED", flush=True)
 
     def progress(label: str) -> None:
         if rank0:
