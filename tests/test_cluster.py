@@ -283,7 +283,8 @@ def test_bench_e2e_writes_its_tables(tmp_path):
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "horovod_compress.cli", "bench", "e2e", "--hosts", "2",
                            "--bandwidths", "1gbit", "--model", "tiny", "--methods", "topk,oktopk",
-                           "--steps", "1", "--warm", "1", "--rounds", "2", "--out", str(out), "--cluster-name", name],
+                           "--steps", "1", "--warm", "1", "--rounds", "2", "--probe-repeats", "3",
+                           "--out", str(out), "--cluster-name", name],
                           capture_output=True, text=True, cwd=ROOT, timeout=360)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert namespaces_of(name) == []

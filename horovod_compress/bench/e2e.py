@@ -83,6 +83,9 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--subnet", default=None,
                    help="first three octets of the cluster's /24 (default 10.213.0; give concurrent runs their own)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per (P, bandwidth) run")
+    p.add_argument("--probe-repeats", type=int, default=6,
+                   help="samples of each link probe in all, spread over the probe passes (one before "
+                        "each round, one after the last; default 6)")
     p.add_argument("--start-timeout", type=float, default=120,
                    help="seconds for mpirun to bring every rank up; a run whose ranks did not start "
                         "is launched once more (default 120)")
@@ -129,7 +132,8 @@ def _worker_command(p: int, methods: list[str], args: argparse.Namespace, json_p
     mpirun = mpirun_command(p) if local else ["mpirun", "-np", str(p)]
     return mpirun + [sys.executable, "-m", "horovod_compress.bench.e2e_worker",
                      "--methods", ",".join(methods), "--model", args.model, "--steps", str(args.steps),
-                     "--warm", str(args.warm), "--rounds", str(getattr(args, "rounds", 1)), "--json", json_path]
+                     "--warm", str(args.warm), "--rounds", str(getattr(args, "rounds", 1)),
+                     "--probe-repeats", str(getattr(args, "probe_repeats", 6)), "--json", json_path]
 
 
 class RanksDidNotStart(RuntimeError):
@@ -233,6 +237,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--steps must be >= 1, got {args.steps}")
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
+    if args.probe_repeats < 1:
+        raise ValueError(f"--probe-repeats must be >= 1, got {args.probe_repeats}")
     if args.no_cluster:
         bws = [SHM]
     else:
