@@ -167,13 +167,14 @@ def test_a_run_whose_ranks_never_start_fails_fast():
     from horovod_compress.bench.e2e import STARTED_LINE, RanksDidNotStart, _stream
 
     class Bar:
-        n = 0
+        """What the launcher's progress bar is told: the count and the last label."""
+        n, label = 0, ""
 
         def update(self, k: int) -> None:
             self.n += k
 
         def set_postfix_str(self, text: str) -> None:
-            pass
+            self.label = text
     env = dict(os.environ)
     bar = Bar()
     t0 = time.monotonic()
@@ -184,7 +185,7 @@ def test_a_run_whose_ranks_never_start_fails_fast():
     script = (f"import time; print({STARTED_LINE!r}, flush=True); time.sleep(2); "
               "print('HVDC-PROGRESS probe (1/1)', flush=True); print('HVDC-PROGRESS none', flush=True)")
     _stream([sys.executable, "-c", script], env, bar, "P=2 1gbit", timeout=60, start_timeout=1)
-    assert bar.n == 2
+    assert bar.n == 2 and bar.label == "P=2 1gbit none"
     with pytest.raises(RuntimeError, match="did not finish within 1 s"):
         _stream([sys.executable, "-c", f"print({STARTED_LINE!r}, flush=True); import time; time.sleep(60)"],
                 env, bar, "P=2 1gbit", timeout=1, start_timeout=30)
