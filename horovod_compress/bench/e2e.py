@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ..cost_model import PROBE_OF, RING, OpCount, StepProfile, break_even_bandwidth, fit_link, predict
-from .e2e_calls import GAP_SUFFIX, REST_SUFFIX
+from .e2e_calls import GAP_SUFFIX, PROBE_REPEATS, REST_SUFFIX
 
 #: The line rank 0 of :mod:`.e2e_worker` prints once every rank is in MPI.
 STARTED_LINE = "HVDC-STARTED"
@@ -83,7 +83,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--subnet", default=None,
                    help="first three octets of the cluster's /24 (default 10.213.0; give concurrent runs their own)")
     p.add_argument("--timeout", type=float, default=1200, help="seconds per (P, bandwidth) run")
-    p.add_argument("--probe-repeats", type=int, default=6,
+    p.add_argument("--probe-repeats", type=int, default=PROBE_REPEATS,
                    help="samples of each link probe in all, spread over the probe passes (one before "
                         "each round, one after the last; default 6)")
     p.add_argument("--start-timeout", type=float, default=120,
@@ -133,7 +133,7 @@ def _worker_command(p: int, methods: list[str], args: argparse.Namespace, json_p
     return mpirun + [sys.executable, "-m", "horovod_compress.bench.e2e_worker",
                      "--methods", ",".join(methods), "--model", args.model, "--steps", str(args.steps),
                      "--warm", str(args.warm), "--rounds", str(getattr(args, "rounds", 1)),
-                     "--probe-repeats", str(getattr(args, "probe_repeats", 6)), "--json", json_path]
+                     "--probe-repeats", str(getattr(args, "probe_repeats", PROBE_REPEATS)), "--json", json_path]
 
 
 class RanksDidNotStart(RuntimeError):

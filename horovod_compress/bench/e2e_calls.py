@@ -44,6 +44,9 @@ AGREE_OP = "agree"
 GAP_SUFFIX = "@gap_s"
 #: Key suffix of the CPU work since the previous call itself, agreements included (``"allreduce@rest_s"``)
 REST_SUFFIX = "@rest_s"
+#: Samples of each link probe in a run of ``hvdc bench e2e``, spread over its probe passes
+#: (the launcher's and the worker's ``--probe-repeats`` default).
+PROBE_REPEATS = 6
 
 
 class RingTransport:

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from ..cost_model import ONE_WAY
-from .e2e_calls import RING_OP, RingTransport
+from .e2e_calls import PROBE_REPEATS, RING_OP, RingTransport
 from .e2e_models import build_model, synthetic_batch
 
 PROBE_SMALL = 8
@@ -457,7 +457,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure every method this many times, the methods interleaved "
                              "(round 1: A B C, round 2: A B C, ...), each time --warm + --steps steps")
-    parser.add_argument("--probe-repeats", type=int, default=6,
+    parser.add_argument("--probe-repeats", type=int, default=PROBE_REPEATS,
                         help="samples of each probe in all, spread over the passes (one before each round, "
                              "one after the last)")
     parser.add_argument("--seed", type=int, default=0)
