@@ -36,6 +36,49 @@ def check_patch_installed() -> None:
     assert _simulator.make_simulator_thread_safe() is True
     assert kernel.swapped_cuda_module is _simulator._counted_swap
     assert kernelapi.FakeCUDAShared.array is _simulator._shared_array
+    assert kernel.BlockManager.run is _simulator._run_block
+
+
+def check_block_loop_keeps_barriers_and_errors() -> None:
+    """The pausing block loop: threads that meet at 20 barriers see each other's writes at
+    every one, and an exception in one thread of a block is raised by the launch."""
+    global cuda   # the simulator swaps a kernel's *global* ``cuda`` for its fake module
+    from numba import cuda
+
+    from horovod_compress.kernels.gpu import _common  # noqa: F401 - installs the loop
+
+    @cuda.jit
+    def rotate(out, rounds):
+        buf = cuda.shared.array(32, np.int64)
+        t = cuda.threadIdx.x
+        buf[t] = t
+        for _ in range(rounds):
+            cuda.syncthreads()
+            mine = buf[(t + 1) % 32]
+            cuda.syncthreads()
+            buf[t] = mine
+        cuda.syncthreads()
+        out[cuda.blockIdx.x, t] = buf[t]
+
+    out = cuda.to_device(np.zeros((2, 32), np.int64))
+    rotate[2, 32](out, 20)
+    assert np.array_equal(out.copy_to_host(), np.tile((np.arange(32) + 20) % 32, (2, 1)))
+
+    @cuda.jit
+    def fail_in_one_thread(out):
+        t = cuda.threadIdx.x
+        cuda.syncthreads()
+        if t == 5:
+            out[100] = 1   # out of bounds: the simulator raises IndexError in this thread
+        cuda.syncthreads()
+        out[t] = t
+
+    try:
+        fail_in_one_thread[1, 32](cuda.to_device(np.zeros(32, np.int64)))
+    except IndexError:
+        pass
+    else:
+        raise AssertionError("a thread's exception must fail the launch")
 
 
 def check_module_swap_survives_overlapping_calls() -> None:

@@ -1,4 +1,4 @@
-"""Thread-safety fixes for Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``).
+"""Thread-safety fixes and a pausing block loop for Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``).
 
 The simulator runs every CUDA thread of a block as a Python thread. Two of
 its bookkeeping steps are check-then-act sequences without a lock, and both
@@ -23,7 +23,11 @@ neither can happen on a real device:
 :func:`make_simulator_thread_safe` replaces both with locked versions: the
 shared-array lookup and insert happen under one lock, and the module swap is
 reference-counted per globals dictionary (the first entrant swaps, the last
-one to leave restores). :func:`guard_simulator_globals` removes a third,
+one to leave restores). It also replaces the block manager's loop, which
+polls every thread's state without pause: that loop held the GIL against the
+very threads it waited for (4 million ``is_alive`` calls, three quarters of a
+90 s simulator run); the replacement sleeps ``POLL_SECONDS`` between passes
+and releases a barrier, or raises a thread's exception, exactly as before. :func:`guard_simulator_globals` removes a third,
 smaller hazard (a globals dictionary growing while it is iterated). All of it
 is a no-op outside the simulator.
 """
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -105,11 +110,57 @@ def _counted_swap(fn: Any, fake_cuda_module: Any) -> Iterator[None]:
                 del _SWAPS[key]
 
 
+POLL_SECONDS = 1e-4   # between two passes over a block's threads (a barrier waits at most this long)
+
+
+def _run_block(self: Any, grid_point: Any, *args: Any) -> None:
+    """``BlockManager.run`` that sleeps between its passes over the threads.
+
+    One pass: a thread's exception aborts the others and is raised; once every
+    live thread waits in ``syncthreads()`` they are all released; the launch
+    ends when no thread is alive. The simulator's own loop does the same
+    without ever pausing.
+    """
+    from numba.cuda.simulator.kernel import BlockThread
+
+    def body() -> None:
+        self._f(*args)
+
+    threads = [BlockThread(body, self, grid_point, point, self._debug)
+               for point in np.ndindex(*self._block_dim)]
+    for thread in threads:
+        thread.start()
+    live = threads
+    while live:
+        time.sleep(POLL_SECONDS)
+        _raise_first_exception(threads, abort=True)
+        live = [thread for thread in live if thread.is_alive()]
+        if live and all(thread.syncthreads_blocked for thread in live):
+            for thread in live:
+                thread.syncthreads_blocked = False
+                thread.syncthreads_event.set()
+    _raise_first_exception(threads, abort=False)
+
+
+def _raise_first_exception(threads: list[Any], abort: bool) -> None:
+    """Raise the first simulated thread's exception, after telling the others to abort."""
+    failed = next((thread for thread in threads if thread.exception), None)
+    if failed is None:
+        return
+    if abort:
+        for thread in threads:
+            thread.abort = True
+            thread.syncthreads_blocked = False
+            thread.syncthreads_event.set()
+    raise failed.exception[0].with_traceback(failed.exception[1])
+
+
 _ORIGINAL_SHARED_ARRAY: Any = None
 
 
 def make_simulator_thread_safe() -> bool:
-    """Install the two locked replacements into Numba's simulator (once; later calls do nothing).
+    """Install the two locked replacements and the pausing block loop into Numba's simulator
+    (once; later calls do nothing).
 
     Returns whether the simulator is patched (False outside the simulator, or
     when this Numba's simulator lacks the patched names).
@@ -121,12 +172,14 @@ def make_simulator_thread_safe() -> bool:
         if _PATCHED:
             return True
         from numba.cuda.simulator import kernel, kernelapi
-        if not (hasattr(kernelapi, "FakeCUDAShared") and hasattr(kernel, "swapped_cuda_module")):
+        if not (hasattr(kernelapi, "FakeCUDAShared") and hasattr(kernel, "swapped_cuda_module")
+                and hasattr(kernel, "BlockManager")):
             return False
         _ORIGINAL_SHARED_ARRAY = kernelapi.FakeCUDAShared.array
         kernelapi.FakeCUDAShared.array = _shared_array
         kernel.swapped_cuda_module = _counted_swap      # what FakeCUDAKernel.__call__ looks up
         kernelapi.swapped_cuda_module = _counted_swap
+        kernel.BlockManager.run = _run_block
         _PATCHED = True
         return True
 
