@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -167,9 +168,11 @@ class CaseResults(Mapping):
     the tests that read it; the cases after it ran in a fresh job.
     """
 
-    def __init__(self, values: dict[str, dict[int, Any]], failures: dict[str, str]) -> None:
+    def __init__(self, values: dict[str, dict[int, Any]], failures: dict[str, str],
+                 seconds: dict[str, float] | None = None) -> None:
         self._values = values
         self._failures = failures
+        self._seconds = dict(seconds or {})
 
     def __getitem__(self, case: CaseRef) -> dict[int, Any]:
         name = _case_name(case)
@@ -187,6 +190,12 @@ class CaseResults(Mapping):
     def failures(self) -> dict[str, str]:
         """Case name -> what went wrong, for the cases that failed."""
         return dict(self._failures)
+
+    @property
+    def seconds(self) -> dict[str, float]:
+        """Case name (and ``"(import)"``, the module's import, once per ``mpirun``) -> wall
+        seconds on the slowest rank, for the cases that finished: where a module's time goes."""
+        return dict(self._seconds)
 
 
 def run_cases(nprocs: int, module_file: str | Path, cases: Sequence[CaseRef] | None = None,
@@ -206,10 +215,13 @@ def run_cases(nprocs: int, module_file: str | Path, cases: Sequence[CaseRef] | N
         raise ValueError(f"no case_* functions in {module_file}")
     values: dict[str, dict[int, Any]] = {}
     failures: dict[str, str] = {}
+    seconds: dict[str, float] = {}
     remaining = list(names)
     while remaining:
-        done, failed, message = _run_job(nprocs, module_file, remaining, timeout, env)
+        done, failed, message, job_seconds = _run_job(nprocs, module_file, remaining, timeout, env)
         values.update(done)
+        for case, secs in job_seconds.items():
+            seconds[case] = seconds.get(case, 0.0) + secs
         if failed is not None:
             failures[failed] = message
         finished = set(done) | ({failed} if failed else set())
@@ -217,12 +229,23 @@ def run_cases(nprocs: int, module_file: str | Path, cases: Sequence[CaseRef] | N
             failures.update({name: message for name in remaining if name not in done})
             break
         remaining = [n for n in remaining if n not in finished]
-    return CaseResults(values, failures)
+    return CaseResults(values, failures, seconds)
+
+
+def _slowest_seconds(events: dict[int, dict[str, dict[str, Any]]]) -> dict[str, float]:
+    """Case -> the largest of the ranks' recorded wall seconds."""
+    out: dict[str, float] = {}
+    for ev in events.values():
+        for case, secs in ev["seconds"].items():
+            out[case] = max(out.get(case, 0.0), float(secs))
+    return out
 
 
 def _run_job(nprocs: int, module_file: str | Path, cases: list[str], timeout: float,
-             env: dict[str, str] | None) -> tuple[dict[str, dict[int, Any]], str | None, str]:
-    """One ``mpirun``: the cases every rank finished, the case that failed (if any), why."""
+             env: dict[str, str] | None
+             ) -> tuple[dict[str, dict[int, Any]], str | None, str, dict[str, float]]:
+    """One ``mpirun``: the cases every rank finished, the case that failed (if any), why, and
+    the seconds each case (and the import) took on the slowest rank."""
     with tempfile.TemporaryDirectory(prefix="hvdc-mpi-") as out:
         cmd = mpirun_command(nprocs) + [sys.executable, "-m", "horovod_compress.testing",
                                         str(module_file), out, *cases]
@@ -243,8 +266,9 @@ def _run_job(nprocs: int, module_file: str | Path, cases: list[str], timeout: fl
         if len(per_rank) < nprocs:
             break
         done[case] = per_rank
+    seconds = _slowest_seconds(events)
     if proc.returncode == 0 and not timed_out and len(done) == len(cases):
-        return done, None, ""
+        return done, None, "", seconds
     failed = next(c for c in cases if c not in done) if len(done) < len(cases) else None
     errors = "".join(f"--- rank {rank}, {case} ---\n{text}\n" for rank, ev in events.items()
                      for case, text in ev["errors"].items() if case in (failed, "(import)"))
@@ -254,8 +278,8 @@ def _run_job(nprocs: int, module_file: str | Path, cases: list[str], timeout: fl
                f"real MPI ranks ({why})\n{errors}"
                f"--- stdout ---\n{stdout[-6000:]}\n--- stderr ---\n{stderr[-6000:]}")
     if failed is None:   # every case finished but the job did not exit cleanly
-        return {}, cases[-1], message
-    return done, failed, message
+        return {}, cases[-1], message, seconds
+    return done, failed, message, seconds
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -267,8 +291,9 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _read_events(path: Path) -> dict[str, dict[str, Any]]:
-    """A rank's journal: ``{"results": {case: value}, "errors": {case: traceback}}``."""
-    events: dict[str, dict[str, Any]] = {"results": {}, "errors": {}}
+    """A rank's journal: ``{"results": {case: value}, "errors": {case: traceback},
+    "seconds": {case or "(import)": wall seconds on this rank}}``."""
+    events: dict[str, dict[str, Any]] = {"results": {}, "errors": {}, "seconds": {}}
     if not path.exists():
         return events
     for line in path.read_text().splitlines():
@@ -280,6 +305,8 @@ def _read_events(path: Path) -> dict[str, dict[str, Any]]:
             events["errors"][entry["case"]] = entry["error"]
         elif "value" in entry:
             events["results"][entry["case"]] = entry["value"]
+        if "seconds" in entry:
+            events["seconds"][entry["case"]] = entry["seconds"]
     return events
 
 
@@ -399,7 +426,7 @@ def read_case_results(out_dir: str | Path, nprocs: int) -> CaseResults:
                               f"(finished on {sorted(per_rank)})\n{errors}")
         else:
             values[case] = per_rank
-    return CaseResults(values, failures)
+    return CaseResults(values, failures, _slowest_seconds(events))
 
 def _worker_main(argv: list[str]) -> None:
     import importlib.util
@@ -421,11 +448,14 @@ def _worker_main(argv: list[str]) -> None:
     module = importlib.util.module_from_spec(spec)
     case = "(import)"
     try:
+        started = time.perf_counter()
         spec.loader.exec_module(module)
+        record({"case": "(import)", "seconds": time.perf_counter() - started})
         for case in cases:
+            started = time.perf_counter()
             comm = Communicator()
             value = getattr(module, case)(comm)
-            record({"case": case, "value": value})
+            record({"case": case, "value": value, "seconds": time.perf_counter() - started})
             MPI.COMM_WORLD.Barrier()
     except BaseException:  # noqa: BLE001 - any failure must abort every rank
         text = traceback.format_exc()

@@ -60,6 +60,9 @@ def test_a_failing_or_hanging_case_fails_alone(tmp_path):
         res["case_hangs_on_rank_0"]
     assert res["case_last"] == {0: "still ran", 1: "still ran"}
     assert set(res.failures) == {"case_fails_on_last_rank", "case_hangs_on_rank_0"}
+    # each finished case's wall time on its slowest rank, and the imports of the three jobs
+    assert set(res.seconds) == {"(import)", "case_first", "case_after_the_failure", "case_last"}
+    assert all(secs >= 0 for secs in res.seconds.values()) and res.seconds["(import)"] > 0
 
 
 def test_an_import_error_fails_every_case_once(tmp_path):
