@@ -94,12 +94,14 @@ def test_a_process_that_made_a_one_rank_communicator_still_launches_mpirun():
     import subprocess
     import sys
     launcher = textwrap.dedent("""
-        import subprocess, sys
+        import re, subprocess, sys
         from horovod_compress.testing import mpi_env, mpirun_command
         cmd = mpirun_command(2) + [sys.executable, "-c",
-                                   "from mpi4py import MPI; print(MPI.COMM_WORLD.Get_size())"]
+                                   "import sys; from mpi4py import MPI; "
+                                   "sys.stdout.write(f'<{MPI.COMM_WORLD.Get_size()}>')"]
         proc = subprocess.run(cmd, env=mpi_env(), capture_output=True, text=True, timeout=90)
-        print(proc.returncode, proc.stdout.split())
+        # one write per rank, no newline: two ranks' prints came out once as "22" and two newlines
+        print(proc.returncode, sorted(re.findall(r"<(\d+)>", proc.stdout)))
     """)
     # a one-rank job (as pytest's own process after a Communicator()), then a launcher started
     # from it the plain way (inheriting the C environment), as a test starts `hvdc bench e2e`
