@@ -23,13 +23,16 @@ neither can happen on a real device:
 :func:`make_simulator_thread_safe` replaces both with locked versions: the
 shared-array lookup and insert happen under one lock, and the module swap is
 reference-counted per globals dictionary (the first entrant swaps, the last
-one to leave restores). It also replaces the block manager's loop, which
-polls every thread's state without pause: that loop held the GIL against the
-very threads it waited for (4 million ``is_alive`` calls, three quarters of a
-90 s simulator run); the replacement sleeps ``POLL_SECONDS`` between passes
-and releases a barrier, or raises a thread's exception, exactly as before. :func:`guard_simulator_globals` removes a third,
-smaller hazard (a globals dictionary growing while it is iterated). All of it
-is a no-op outside the simulator.
+one to leave restores). :func:`guard_simulator_globals` removes a third,
+smaller hazard (a globals dictionary growing while it is iterated).
+
+Not a race but a cost: the block manager's loop polls every thread's state
+without pause, and so holds the GIL against the very threads it waits for
+(4 million ``is_alive`` calls, three quarters of a 95 s run of the kernel
+checks). :func:`make_simulator_thread_safe` also installs :func:`_run_block`,
+which sleeps ``POLL_SECONDS`` between passes and releases a barrier, or
+raises a thread's exception, exactly as before. All of it is a no-op outside
+the simulator.
 """
 from __future__ import annotations
 
