@@ -85,7 +85,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=1200, help="seconds per (P, bandwidth) run")
     p.add_argument("--probe-repeats", type=int, default=PROBE_REPEATS,
                    help="samples of each link probe in all, spread over the probe passes (one before "
-                        "each round, one after the last; default 6)")
+                        "each round, one after the last; default %(default)s)")
     p.add_argument("--start-timeout", type=float, default=120,
                    help="seconds for mpirun to bring every rank up; a run whose ranks did not start "
                         "is launched once more (default 120)")
@@ -132,8 +132,8 @@ def _worker_command(p: int, methods: list[str], args: argparse.Namespace, json_p
     mpirun = mpirun_command(p) if local else ["mpirun", "-np", str(p)]
     return mpirun + [sys.executable, "-m", "horovod_compress.bench.e2e_worker",
                      "--methods", ",".join(methods), "--model", args.model, "--steps", str(args.steps),
-                     "--warm", str(args.warm), "--rounds", str(getattr(args, "rounds", 1)),
-                     "--probe-repeats", str(getattr(args, "probe_repeats", PROBE_REPEATS)), "--json", json_path]
+                     "--warm", str(args.warm), "--rounds", str(args.rounds),
+                     "--probe-repeats", str(args.probe_repeats), "--json", json_path]
 
 
 class RanksDidNotStart(RuntimeError):
