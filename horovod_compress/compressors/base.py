@@ -142,6 +142,9 @@ class Method:
     default_feedback: ClassVar[str] = "none"
     horovod_compatible: ClassVar[bool] = False
     gpu_native: ClassVar[bool] = False
+    #: whether ``_reduce`` runs a real reduce-scatter under :meth:`reduce_scatter` (it then moves
+    #: only what a rank's block needs; the others reduce everything and keep a slice)
+    scatters: ClassVar[bool] = False
 
     def __init__(self, *, feedback: str | None = None, warmup_steps: int = 0,
                  seed: int = 0, nonfinite: str | None = None, **feedback_params: Any) -> None:
@@ -220,6 +223,45 @@ class Method:
         if out.shape != grad.shape:
             out = out.reshape(grad.shape)
         return out.astype(in_dtype, copy=False) if out.dtype != in_dtype else out
+
+    def reduce_scatter(self, grad: Any, name: str, comm: Any) -> Any:
+        """This rank's block of the method's average: :meth:`allreduce` cut into P equal blocks.
+
+        ``grad`` (its size a multiple of ``comm.size``) is read as a flat
+        vector; rank j returns block j of what :meth:`allreduce` would return
+        for it (flat, in ``grad``'s dtype), with the same state updates,
+        checks, warm-up and NaN/Inf policy. Methods with :attr:`scatters` run
+        a real reduce-scatter in :meth:`_reduce` (:meth:`_scatter_block` tells
+        them which block; they return an average that is right on that block
+        only, moving only its share of the bytes); the others reduce the
+        whole vector and keep the slice. Sharded data parallelism needs it:
+        PyTorch FSDP hands each module's gradients to a reduce-scatter
+        ("PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel",
+        Zhao et al., VLDB 2023, Section 3.2).
+        """
+        p = comm.size
+        size = int(np.prod(grad.shape))
+        if size % p:
+            raise ValueError(f"{self.name}: reduce_scatter of tensor {name!r} needs a size that "
+                             f"is a multiple of the {p} ranks, got {size}")
+        block = size // p
+        if not self.scatters or p == 1:
+            return self.allreduce(grad, name, comm).reshape(-1)[comm.rank * block:
+                                                                  (comm.rank + 1) * block]
+        self.__dict__["_scattering"] = True
+        try:
+            out = self.allreduce(grad, name, comm)
+        finally:
+            self.__dict__["_scattering"] = False
+        return out.reshape(-1)[comm.rank * block:(comm.rank + 1) * block]
+
+    def _scatter_block(self, x: Any, comm: Any) -> tuple[int, int] | None:
+        """Inside :meth:`reduce_scatter` of a method with :attr:`scatters`: ``(lo, hi)``, the
+        flat range of ``x`` this rank's result must hold (``None`` in a plain allreduce)."""
+        if not self.__dict__.get("_scattering") or comm.size == 1:
+            return None
+        block = x.size // comm.size
+        return comm.rank * block, (comm.rank + 1) * block
 
     def _undo_step(self, name: str, prev: "TensorState | None", st: "TensorState") -> None:
         """Forget the step counted for ``name`` (its first call: the whole state) when the

@@ -27,6 +27,7 @@ from ..mpi_collectives.accounting import allreduce_volume
 class _HalfPrecision(Method):
     kind = "fp16"
     horovod_compatible = True
+    scatters = True     # reduce_scatter: the first half of the 16-bit ring
 
     def __init__(self, *, seed: int = 0) -> None:
         super().__init__(seed=seed)
@@ -72,7 +73,8 @@ class _HalfPrecision(Method):
         that pass then runs whole before the ring starts (:meth:`_reduce_ring`)."""
         from ..feedback import Feedback
         from ..kernels.halfprec import encode16_range_finite
-        return (type(self.feedback) is Feedback and self._use_ring(comm, x)
+        return (type(self.feedback) is Feedback and self._scatter_block(x, comm) is None
+                and self._use_ring(comm, x)
                 and encode16_range_finite(self.kind) is not None)
 
     def _reduce_ring(self, x: np.ndarray, name: str, comm: Any) -> tuple[np.ndarray, np.ndarray | None]:
@@ -183,6 +185,9 @@ class _HalfPrecision(Method):
 
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
                 state: TensorState) -> tuple[np.ndarray, np.ndarray]:
+        block = self._scatter_block(x, comm)
+        if block is not None:
+            return self._reduce_scatter(x, comm, block)
         if self._use_ring(comm, x):
             from ..mpi_collectives.shared_window import use_shared_window
             done = self._reduce_window(x, name, comm) if use_shared_window(comm) else None
@@ -194,6 +199,19 @@ class _HalfPrecision(Method):
             return avg, None
         local = self.decode(words, scale=comm.size).astype(x.dtype, copy=False).reshape(x.shape)
         return avg, local
+
+    def _reduce_scatter(self, x: np.ndarray, comm: Any,
+                        block: tuple[int, int]) -> tuple[np.ndarray, np.ndarray | None]:
+        """The reduce-scatter half of the 16-bit sum: the same rounded additions, this rank's
+        block of words only (``comm.reduce_scatter_custom``), widened into a zero vector."""
+        words = self.encode(x.reshape(-1), comm.size)
+        mine = comm.reduce_scatter_custom(words, f"{self.kind}_sum")
+        avg = np.zeros(x.size, dtype=x.dtype)
+        avg[block[0]:block[1]] = self.decode(mine)
+        if not self.feedback.uses_local:
+            return avg.reshape(x.shape), None
+        return avg.reshape(x.shape), self.decode(words, scale=comm.size).astype(
+            x.dtype, copy=False).reshape(x.shape)
 
     def expected_bytes(self, shape: tuple[int, ...], world_size: int, itemsize: int = 4) -> float:
         n = int(np.prod(shape))

@@ -22,13 +22,19 @@ class NoCompression(Method):
     name = "none"
     horovod_compatible = True
     gpu_native = True  # the Communicator reduces GPU arrays (CUDA-aware or staged)
+    scatters = True    # reduce_scatter: the communicator's dense reduce-scatter
 
     def __init__(self, *, seed: int = 0) -> None:
         super().__init__(seed=seed)
 
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
                 state: TensorState) -> tuple[np.ndarray, np.ndarray]:
-        return comm.allreduce(x, op="avg"), x
+        block = self._scatter_block(x, comm)
+        if block is None:
+            return comm.allreduce(x, op="avg"), x
+        avg = np.zeros_like(x).reshape(-1)     # the reduce-scatter's block only
+        avg[block[0]:block[1]] = comm.reduce_scatter(x, op="avg")
+        return avg.reshape(x.shape), x
 
     def expected_bytes(self, shape: tuple[int, ...], world_size: int, itemsize: int = 4) -> float:
         n = int(np.prod(shape))

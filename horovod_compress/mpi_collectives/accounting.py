@@ -96,6 +96,13 @@ def allreduce_volume(nbytes: float, p: int) -> float:
     return 2.0 * nbytes * (p - 1) / p
 
 
+def reduce_scatter_volume(nbytes: float, p: int) -> float:
+    """Bytes one rank sends, and receives, in a ring reduce-scatter of ``nbytes`` over ``p``
+    ranks (every rank ends with one of ``p`` equal blocks reduced): N(P-1)/P, the first half of
+    :func:`allreduce_volume`'s ring."""
+    return float(nbytes) * (p - 1) / p
+
+
 class Accounting(PhaseLabel):
     """Counters of bytes (volume model) and of seconds spent inside collectives."""
 

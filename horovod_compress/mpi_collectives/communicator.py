@@ -26,8 +26,8 @@ import numpy as np
 from mpi4py import MPI
 from mpi4py.util import dtlib
 
-from ..kernels.arrays import is_gpu_array, to_host
-from .accounting import FusingAccounting, OpStats, PendingRequest
+from ..kernels.arrays import is_gpu_array, to_device_like, to_host
+from .accounting import FusingAccounting, OpStats, PendingRequest, reduce_scatter_volume
 
 OpLike = Union[str, MPI.Op]
 
@@ -390,6 +390,55 @@ class Communicator(FusingAccounting):
             self.comm.Allreduce([send, words, dtype], [out, words, dtype], op=mpi_op)
         vol = self._allreduce_volume(send.nbytes)
         self._account("allreduce", vol, vol)
+        return out
+
+    def reduce_scatter(self, array: np.ndarray, op: str = "sum") -> np.ndarray:
+        """This rank's block of the elementwise sum (or ``avg``) over ranks.
+
+        ``array`` (its length a multiple of P) is cut into P equal blocks; rank
+        j receives block j reduced (``MPI_Reduce_scatter_block``; ``avg`` sums
+        then divides by P in the array's dtype). Counts ``N(P-1)/P`` bytes
+        each way for N bytes (the ring's reduce-scatter half).
+        """
+        if op not in ("sum", "avg", "average"):
+            raise ValueError(f"reduce_scatter op must be 'sum' or 'avg', got {op!r}")
+        send = to_host(array) if is_gpu_array(array) else array
+        send = _contiguous(np.asarray(send)).reshape(-1)
+        if send.size % self.size:
+            raise ValueError(f"reduce_scatter needs a length that is a multiple of the "
+                             f"{self.size} ranks, got {send.size}")
+        if op != "sum" and not np.issubdtype(send.dtype, np.floating):
+            raise ValueError("op='avg' needs a floating-point array")
+        out = np.empty(send.size // self.size, dtype=send.dtype)
+        with self.in_mpi("reduce_scatter"):
+            self.comm.Reduce_scatter_block(send, out, op=MPI.SUM)
+        vol = reduce_scatter_volume(send.nbytes, self.size)
+        self._account("reduce_scatter", vol, vol)
+        if op != "sum":
+            out /= out.dtype.type(self.size)
+        return to_device_like(out, array) if is_gpu_array(array) else out
+
+    def reduce_scatter_custom(self, buf: np.ndarray, op: str) -> np.ndarray:
+        """This rank's block of :meth:`allreduce_custom`'s reduction, without the allgather.
+
+        ``buf`` is cut into P equal blocks of whole elements and rank j gets
+        block j reduced with the custom operator (``MPI_Reduce_scatter_block``;
+        every element is reduced on one rank). Counts ``N(P-1)/P`` bytes each way.
+        """
+        from .reduce_ops import check_custom, mpi_custom_op
+        _fn, item, _once = check_custom(op)
+        send = _contiguous(buf).reshape(-1)
+        words = send.view(np.uint8).size // item
+        if words % self.size:
+            raise ValueError(f"reduce_scatter_custom needs a multiple of {self.size} elements, "
+                             f"got {words}")
+        mine = words // self.size
+        out = np.empty(send.size // self.size, dtype=send.dtype)
+        dtype, mpi_op = mpi_custom_op(op)
+        with self.in_mpi("reduce_scatter"):
+            self.comm.Reduce_scatter_block([send, mine, dtype], [out, mine, dtype], op=mpi_op)
+        vol = reduce_scatter_volume(send.nbytes, self.size)
+        self._account("reduce_scatter", vol, vol)
         return out
 
     def self_communicator(self) -> "Communicator":

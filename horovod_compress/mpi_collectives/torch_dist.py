@@ -30,6 +30,8 @@ the mpi4py backend, so byte counts compare across backends):
   MPI's matched probe carries the length in the envelope). Messages to self
   stay in process.
 * ``broadcast``: ``dist.broadcast``; N from the root, N to every other rank.
+* ``reduce_scatter`` (sum/avg, P equal blocks): ``dist.reduce_scatter_tensor``;
+  N(P-1)/P each way.
 * ``allreduce_custom``: torch.distributed has no user-defined reduction
   operators (MPI's ``MPI_Op_create``). Global-QSGD's exponential dithering
   reduce (Algorithm 2 of "Global-QSGD: Allreduce-Compatible Quantization for
@@ -41,7 +43,8 @@ the mpi4py backend, so byte counts compare across backends):
   That is the ring allreduce's volume, 2N(P-1)/P each way, and every element
   is reduced on exactly one rank, so a stochastic operator leaves identical
   bits everywhere (the property :func:`~.reduce_ops.allreduce_reduce_once`
-  gives the MPI backend).
+  gives the MPI backend). ``reduce_scatter_custom`` is its first half alone
+  (this rank's reduced block, N(P-1)/P each way).
 
 Checks (``runtime.consistency``) run on a private process group exposed as
 ``comm.comm`` through a small mpi4py-like shim, so they never interleave with
@@ -57,7 +60,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..kernels.arrays import is_gpu_array
-from .accounting import FusingAccounting, OpStats, PendingRequest
+from .accounting import FusingAccounting, OpStats, PendingRequest, reduce_scatter_volume
 from .reduce_ops import block_counts, check_custom, local_reduce
 
 _REDUCE_OPS = ("sum", "max", "min", "prod", "avg", "average")
@@ -82,6 +85,24 @@ def _as_tensor(array: Any) -> Any:
     if not arr.flags.writeable:
         arr = arr.copy()
     return torch.from_numpy(arr)
+
+
+def _scatter_blocks(array: Any, p: int, op: str) -> tuple[Any, int]:
+    """``array`` as a contiguous 1-D buffer and its block length for a reduce-scatter over ``p``
+    ranks (``ValueError`` for a length that is not a multiple of ``p`` or another op)."""
+    if op not in ("sum", "avg", "average"):
+        raise ValueError(f"reduce_scatter op must be 'sum' or 'avg', got {op!r}")
+    if is_gpu_array(array):
+        import cupy  # noqa: PLC0415
+        send = cupy.ascontiguousarray(array).reshape(-1)
+    else:
+        send = np.ascontiguousarray(array).reshape(-1)
+    if send.size % p:
+        raise ValueError(f"reduce_scatter needs a length that is a multiple of the {p} ranks, "
+                         f"got {send.size}")
+    if op != "sum" and not np.issubdtype(np.dtype(send.dtype), np.floating):
+        raise ValueError("op='avg' needs a floating-point array")
+    return send, send.size // p
 
 
 def _bytes_of(array: np.ndarray) -> np.ndarray:
@@ -418,6 +439,65 @@ class TorchCommunicator(FusingAccounting):
         self._account("alltoallv", sent, received)
         return [recv[rdispl[j]:rdispl[j] + recv_counts[j]] for j in range(self.size)]
 
+    def reduce_scatter(self, array: Any, op: str = "sum") -> Any:
+        """This rank's block of the elementwise sum (or ``avg``) over ranks.
+
+        ``array`` (1-D, its length a multiple of P) is cut into P equal
+        blocks; rank j receives block j reduced (``dist.reduce_scatter_tensor``;
+        ``avg`` sums then divides by P in the array's dtype, as :meth:`allreduce`).
+        Counts ``N(P-1)/P`` bytes each way for N bytes.
+        """
+        send, block = _scatter_blocks(array, self.size, op)
+        out = np.empty(block, dtype=send.dtype) if not is_gpu_array(send) else send[:block].copy()
+        if self.size == 1:
+            out[:] = send
+        elif block:
+            with self.in_mpi("reduce_scatter"):
+                _dist().reduce_scatter_tensor(_as_tensor(out), _as_tensor(send),
+                                              op=_dist().ReduceOp.SUM, group=self._group_for(send))
+        vol = reduce_scatter_volume(send.nbytes, self.size)
+        self._account("reduce_scatter", vol, vol)
+        if op in ("avg", "average"):
+            out /= out.dtype.type(self.size)
+        return out
+
+    def _fold_blocks(self, raw: np.ndarray, op: str, counts: np.ndarray) -> np.ndarray:
+        """Rank j gets every rank's block j of ``raw`` (bytes; block sizes ``counts``) by one
+        ``all_to_all_single`` and folds them in rank order with ``op``'s kernel; returns this
+        rank's reduced block (bytes). Not counted."""
+        p, rank = self.size, self.rank
+        mine = int(counts[rank])
+        gathered = np.empty(p * mine, dtype=np.uint8)
+        self._alltoall_bytes(raw, gathered, counts, np.full(p, mine, dtype=np.int64))
+        blocks = gathered.reshape(p, mine) if mine else gathered.reshape(p, 0)
+        acc = blocks[0].copy()
+        for j in range(1, p):
+            local_reduce(op, blocks[j], acc)
+        return acc
+
+    def reduce_scatter_custom(self, buf: np.ndarray, op: str) -> np.ndarray:
+        """This rank's block of :meth:`allreduce_custom`'s result, without the allgather.
+
+        ``buf`` is cut into P equal blocks of whole elements; rank j returns
+        block j folded over ranks in rank order (bits equal to that block of
+        :meth:`allreduce_custom`). Counts ``N(P-1)/P`` bytes each way.
+        """
+        _fn, item, _once = check_custom(op)
+        send = np.ascontiguousarray(buf).reshape(-1)
+        raw = _bytes_of(send)
+        words = raw.size // item
+        if words % self.size:
+            raise ValueError(f"reduce_scatter_custom needs a multiple of {self.size} elements, "
+                             f"got {words}")
+        if self.size == 1:
+            return send.copy()
+        counts = np.full(self.size, words // self.size * item, dtype=np.int64)
+        with self.in_mpi("reduce_scatter"):
+            acc = self._fold_blocks(raw, op, counts)
+        vol = reduce_scatter_volume(raw.size, self.size)
+        self._account("reduce_scatter", vol, vol)
+        return acc.view(send.dtype)
+
     def allreduce_custom(self, buf: np.ndarray, op: str) -> np.ndarray:
         """Allreduce with a reduction torch.distributed lacks: alltoall + local fold + allgather.
 
@@ -433,21 +513,12 @@ class TorchCommunicator(FusingAccounting):
         _fn, item, _once = check_custom(op)
         send = np.ascontiguousarray(buf).reshape(-1)
         raw = _bytes_of(send)
-        p, rank = self.size, self.rank
+        p = self.size
         if p == 1:
             return send.copy()
-        words = raw.size // item
-        counts = block_counts(words, p) * item                      # bytes of block j
-        displs = np.zeros(p, dtype=np.int64)
-        np.cumsum(counts[:-1], out=displs[1:])
-        mine = int(counts[rank])
-        gathered = np.empty(p * mine, dtype=np.uint8)
+        counts = block_counts(raw.size // item, p) * item                      # bytes of block j
         with self.in_mpi("allreduce"):
-            self._alltoall_bytes(raw, gathered, counts, np.full(p, mine, dtype=np.int64))
-            blocks = gathered.reshape(p, mine) if mine else gathered.reshape(p, 0)
-            acc = blocks[0].copy()
-            for j in range(1, p):
-                local_reduce(op, blocks[j], acc)
+            acc = self._fold_blocks(raw, op, counts)
             out = np.empty(raw.size, dtype=np.uint8)
             self._allgatherv_bytes(acc, counts, out)
         vol = self._allreduce_volume(raw.size)
@@ -633,6 +704,12 @@ class SelfCommunicator(FusingAccounting):
     def allreduce_custom(self, buf: np.ndarray, op: str) -> np.ndarray:
         check_custom(op)
         return np.array(buf, copy=True).reshape(-1)
+
+    def reduce_scatter(self, array: Any, op: str = "sum") -> Any:
+        return self._copy(_scatter_blocks(array, 1, op)[0])
+
+    def reduce_scatter_custom(self, buf: np.ndarray, op: str) -> np.ndarray:
+        return self.allreduce_custom(buf, op)
 
     def broadcast(self, array: Any, root: int = 0) -> Any:
         return array

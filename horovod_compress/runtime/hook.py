@@ -24,7 +24,8 @@ views of the framework's memory, and how to write results back) and calls
   longer exist is dropped;
 * statistics (:class:`~.stats.ExchangeStats`, as the optimizer and reducer
   keep them): per bucket the Communicator's byte delta and the dense ring
-  equivalent ``2N(P-1)/P`` of the bucket's N bytes (and one in :attr:`calls`);
+  equivalent ``2N(P-1)/P`` of the bucket's N bytes (``N(P-1)/P``, the ring's
+  reduce-scatter half, for a reduce-scatter) and one in :attr:`calls`;
   per iteration (the bucket marked last) one step; the seconds inside the hook;
 * the switches of :class:`~.session.StepSettings` per iteration: ``dense``
   runs the iteration uncompressed (``Compression.none()``, the method's state
@@ -46,6 +47,7 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 
 from ..kernels.arrays import get_array_module, to_host
+from ..mpi_collectives.accounting import reduce_scatter_volume
 from .hook_buckets import FLAT_PREFIX, HookBuckets, flat_key
 from .per_tensor import PerTensorReducer
 from .session import StepSettings
@@ -75,6 +77,8 @@ class BucketView(Protocol):
     numel: int               # elements of the flat buffer
     nbytes: int              # bytes of the flat buffer in the framework's dtype
     is_last: bool            # the iteration's last bucket
+    # optional ``scatter: bool`` -- the framework wants this rank's block of the flat average
+    # (a reduce-scatter, FSDP): see :meth:`HookExchange.reduce`
 
     def flat(self) -> ArraySlot:
         """The whole buffer."""
@@ -130,7 +134,16 @@ class HookExchange:
 
     # ----------------------------------------------------------------- work
     def reduce(self, bucket: BucketView) -> None:
-        """Average ``bucket`` over ranks; it is completed now, or (regrouping) by a later call."""
+        """Average ``bucket`` over ranks; it is completed now, or (regrouping) by a later call.
+
+        A bucket with ``scatter = True`` asks for a reduce-scatter: a flat
+        method's slot receives only this rank's block of the average
+        (:meth:`~horovod_compress.compressors.base.Method.reduce_scatter`: P
+        equal blocks of the flat buffer), a matrix method's slots the whole
+        average of each parameter (their writes keep what the framework
+        needs). No error probe is taken in such an iteration (the averages
+        are partial).
+        """
         t0 = time.perf_counter()
         comm, st = self.comm, self.stats
         sent0, received0 = comm.bytes_sent, comm.bytes_received
@@ -140,7 +153,9 @@ class HookExchange:
             self._bucket(bucket)
             st.bytes_sent += max(comm.bytes_sent - sent0, 0.0)
             st.bytes_received += max(comm.bytes_received - received0, 0.0)
-            st.dense_bytes += ring_allreduce_bytes(bucket.nbytes, comm.size)
+            dense = reduce_scatter_volume if getattr(bucket, "scatter", False) \
+                else ring_allreduce_bytes
+            st.dense_bytes += dense(bucket.nbytes, comm.size)
             self.calls += 1
             if bucket.is_last:
                 self._end_iteration()
@@ -154,9 +169,12 @@ class HookExchange:
     def _bucket(self, bucket: BucketView) -> None:
         names, buckets = bucket.names, self.buckets
         key = flat_key(names, bucket.numel)
+        scatter = bool(getattr(bucket, "scatter", False))
+        if scatter:
+            self._probe = None
         if not buckets.defers(key, self.named):
             if self.method.layout == "flat":
-                self._reduce_slot(bucket.flat(), key)
+                self._reduce_slot(bucket.flat(), key, scatter)
             else:
                 self._reduce_matrices(bucket.parameters(), names)
             buckets.reduced(key, names)
@@ -186,16 +204,18 @@ class HookExchange:
             self._reduce_matrices(slots, names)
         self.buckets.reduced(key, names, handed=False)
 
-    def _reduce_slot(self, slot: ArraySlot, name: str) -> None:
-        slot.write(self._allreduce(slot.array, name))
+    def _reduce_slot(self, slot: ArraySlot, name: str, scatter: bool = False) -> None:
+        slot.write(self._allreduce(slot.array, name, scatter))
 
-    def _allreduce(self, x: Any, name: str) -> Any:
-        """``method.allreduce`` of one array, captured for the record and the probe."""
+    def _allreduce(self, x: Any, name: str, scatter: bool = False) -> Any:
+        """``method.allreduce`` of one array (``scatter``: ``method.reduce_scatter``, this
+        rank's block), captured for the record and the probe."""
         keep = self.record is not None or self._probe is not None
         if keep:
             self._capture(name, _host_copy(x), None)
         t0 = time.perf_counter()
-        avg = self._active.allreduce(x, name, self.comm)
+        reduce = self._active.reduce_scatter if scatter else self._active.allreduce
+        avg = reduce(x, name, self.comm)
         self.comm_seconds += time.perf_counter() - t0
         if keep:
             self._capture(name, None, avg)
@@ -253,6 +273,12 @@ class HookExchange:
         self._active = self._dense_method if self.settings.dense else self.method
         self._skipped_at_begin = self._skipped_count()
         self._probe = ([], []) if self.settings.probe_planned(self.stats.steps + 1) else None
+
+    def end_iteration(self) -> None:
+        """End the current iteration now (a framework that cannot mark its last bucket calls
+        it when the next iteration's first bucket shows); a no-op between iterations."""
+        if self._active is not None:
+            self._end_iteration()
 
     def _skipped_count(self) -> int:
         return skipped_count([self.method, self._dense_method])
