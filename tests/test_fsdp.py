@@ -1,0 +1,548 @@
+"""Every method as FSDP2's reduce-scatter, on real ``torchrun`` ranks (gloo, CPU).
+
+One ``torchrun`` launch per world size (2 and 4 ranks) runs :func:`ranks_fsdp`
+on an MLP whose three ``Linear`` layers and root are ``fully_shard``-ed (the
+layer of 10 rows pads to 12 at P = 4, so padding rows are exercised):
+
+* ``none`` against FSDP2's own reduce-scatter, gradient by gradient over 3
+  steps: bit for bit at P = 2 (one addition per element, the same in any
+  order); at P = 4 within float32 rounding of a different summation order
+  (gloo's reduce-scatter and ours may fold the four ranks differently),
+  with ``reshard_after_forward`` True and False;
+* every method: each rank's shard equals the matching slice (flat methods:
+  block r of P of the module's flat buffer; matrix methods: the local rows of
+  each parameter) of the method's own ``allreduce`` replayed on the same
+  gradients in the same order; bit for bit at P = 2, and at P = 4 too where
+  both fold in the same order (flat methods on the torch communicator),
+  within 1e-4 relative where a fused sum meets a sequential one (matrix
+  methods); and the gradients FSDP hands the optimizer are those slices;
+* bytes per rank per step of each method against FSDP2's dense
+  reduce-scatter, N(P-1)/P per module buffer of N bytes (exact for the
+  methods that reduce-scatter for real);
+* ``MixedPrecisionPolicy(reduce_dtype=bfloat16 | float16)`` and a gradient
+  divide factor; ranks configured differently raise on every rank; the state
+  checkpointed with ``torch.distributed.checkpoint`` resumes bit for bit.
+
+Two more launches: the digits MLP under FSDP2 with each method reaches the
+accuracy it reaches under DDP (2 ranks), and an exception on one rank ends
+the job.
+
+This file is also the script the ranks run (``python tests/test_fsdp.py ENTRY OUT``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from horovod_compress.testing import torchrun_command, torchrun_env
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict[str, str]:
+    return torchrun_env({"HVDC_ABORT_ON_EXCEPTION": "0"})
+
+
+def torchrun(nprocs: int, entry: Callable[[Path], None], out: Path, timeout: float = 420,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run this file's ``entry`` on ``nprocs`` torchrun ranks (raises on a non-zero exit)."""
+    cmd = torchrun_command(nprocs, __file__, entry.__name__, str(out))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=env or _env(), cwd=ROOT)
+    if proc.returncode != 0 and env is None:
+        raise AssertionError(f"torchrun --nproc-per-node {nprocs} {entry.__name__} failed "
+                             f"(exit {proc.returncode})\n--- stdout ---\n{proc.stdout[-6000:]}"
+                             f"\n--- stderr ---\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def written(out: Path, entry: Callable[[Path], None], nprocs: int) -> dict[int, dict]:
+    return {r: json.loads((out / f"{entry.__name__}_rank{r}.json").read_text())
+            for r in range(nprocs)}
+
+
+def failures(per_rank: dict[int, dict]) -> dict[str, str]:
+    bad = {}
+    for r, res in sorted(per_rank.items()):
+        assert res["checks"], f"rank {r}: no checks ran"
+        bad.update({f"rank {r}: {k}": v for k, v in res["checks"].items() if v != "ok"})
+    return bad
+
+
+def _report(bad: dict[str, str]) -> str:
+    return f"{len(bad)} failing check(s): {sorted(bad)}\n" + "\n".join(
+        f"== {k}\n{v}" for k, v in sorted(bad.items())[:6])
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
+def fsdp_run(request, tmp_path_factory):
+    pytest.importorskip("torch.distributed.fsdp")
+    out = tmp_path_factory.mktemp(f"fsdp{request.param}")
+    torchrun(request.param, ranks_fsdp, out)
+    return request.param, out
+
+
+def test_every_method_as_fsdp_reduce_scatter(fsdp_run):
+    """none equals FSDP2's reduce-scatter; every method's shard equals the slice of its own
+    allreduce; mixed precision, divide factor, mismatch, DCP checkpoint (see the module doc)."""
+    p, out = fsdp_run
+    res = written(out, ranks_fsdp, p)
+    bad = failures(res)
+    assert not bad, _report(bad)
+
+
+def test_fsdp_bytes_against_dense_reduce_scatter(fsdp_run):
+    """Bytes per rank per step: none = FSDP2's dense reduce-scatter, fp16/bf16 = half of it
+    (the reduce-scatter half of their 16-bit ring), every method equal on every rank."""
+    p, out = fsdp_run
+    res = written(out, ranks_fsdp, p)
+    table = res[0]["bytes"]
+    dense = res[0]["dense_bytes"]
+    assert dense == pytest.approx(sum(n * 4 * (p - 1) / p for n in res[0]["buffer_numels"]))
+    assert table["none"]["sent"] == pytest.approx(dense)
+    for half in ("fp16", "bf16"):
+        assert table[half]["sent"] == pytest.approx(dense / 2)
+    for label, row in table.items():
+        if row["formula"] is not None:
+            assert row["sent"] == pytest.approx(row["formula"]), (label, row)
+    for r in range(1, p):       # the volume model counts the same on every rank
+        for label in table:
+            if label not in ("topk", "gaussiank", "topk_dsa", "oktopk", "deepreduce", "qsgd",
+                             "gtopk"):
+                assert res[r]["bytes"][label]["sent"] == pytest.approx(table[label]["sent"])
+
+
+def test_fsdp_digits_reaches_ddp_accuracy(tmp_path):
+    """The digits MLP (2 ranks, 4 epochs) under FSDP2 with each method reaches the test
+    accuracy it reaches under DDP with the same method (within 3 points), and FSDP2 with
+    ``none`` that of FSDP2's own reduce-scatter."""
+    pytest.importorskip("torch.distributed.fsdp")
+    torchrun(2, ranks_digits, tmp_path, timeout=600)
+    bad = failures(written(tmp_path, ranks_digits, 2))
+    assert not bad, _report(bad)
+
+
+def test_exception_on_one_rank_ends_the_job(tmp_path):
+    """Rank 1 raises after its first FSDP backward while rank 0 enters the next reduce-scatter:
+    the job ends (non-zero exit) well before the hang guard, and rank 0 never finishes."""
+    pytest.importorskip("torch.distributed.fsdp")
+    t0 = time.monotonic()
+    proc = torchrun(2, ranks_one_raises, tmp_path, timeout=180,
+                    env=torchrun_env({"HVDC_ABORT_ON_EXCEPTION": "1"}))
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert time.monotonic() - t0 < 170
+    assert not (tmp_path / "finished_rank0").exists()
+    assert "raised on purpose" in proc.stderr + proc.stdout
+
+
+# ====================================================== on the ranks
+METHODS = {
+    "none": ("none", {}),
+    "fp16": ("fp16", {}),
+    "bf16": ("bf16", {}),
+    "topk": ("topk", {"density": 0.05}),
+    "randk": ("randk", {"density": 0.1}),
+    "gaussiank": ("gaussiank", {"density": 0.05}),
+    "topk_dsa": ("topk_dsa", {"density": 0.05}),
+    "gtopk": ("gtopk", {"density": 0.05}),
+    "oktopk": ("oktopk", {"density": 0.05, "warmup_steps": 1, "tau": 2, "tau_prime": 1}),
+    "qsgd": ("qsgd", {}),
+    "global_qsgd": ("global_qsgd", {}),
+    "global_qsgd_lin8": ("global_qsgd", {"dithering": "linear", "bits": 8}),
+    "deepreduce": ("deepreduce", {"sparsifier_params": {"density": 0.05}}),
+    "arc_topk": ("arc_topk", {"rank": 2}),
+    "powersgd": ("powersgd", {"rank": 2}),
+    "greedylore": ("greedylore", {"rank": 2, "period": 2}),
+    "lazy_projection": ("lazy_projection", {"rank": 2, "period": 2}),
+    "randk_rows": ("randk_rows", {}),
+    "topk_rows": ("topk_rows", {}),
+}
+STEPS = 3
+# the digits check (as tests/test_ddp.py trains them; Rand-K unbiased at density 0.25)
+DIGITS_METHODS = {
+    "none": ("none", {}),
+    "fp16": ("fp16", {}),
+    "topk": ("topk", {"density": 0.05}),
+    "randk": ("randk", {"density": 0.25, "unbiased": True}),
+    "oktopk": ("oktopk", {"density": 0.05, "warmup_steps": 1, "tau": 2, "tau_prime": 1}),
+    "global_qsgd": ("global_qsgd", {}),
+    "powersgd": ("powersgd", {"rank": 2}),
+    "arc_topk": ("arc_topk", {"rank": 2}),
+    "greedylore": ("greedylore", {"rank": 2, "period": 2}),
+}
+DIGITS_EPOCHS = 4
+
+
+def make(label, table=None, **override):
+    import horovod_compress as hvdc
+    name, params = (table or METHODS)[label]
+    return getattr(hvdc.Compression, name)(**{**params, **override})
+
+
+SECONDS: dict[str, float] = {}     # each check's wall seconds on this rank (reported)
+
+
+def check(results, name, fn):
+    t0 = time.perf_counter()
+    try:
+        fn()
+        results[name] = "ok"
+    except Exception:  # noqa: BLE001 - reported by name
+        results[name] = traceback.format_exc(limit=8)[-3000:]
+    SECONDS[name] = round(time.perf_counter() - t0, 2)
+
+
+def _mlp(reshard=True, mp=None, seed=0):
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    torch.manual_seed(seed)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 48), torch.nn.ReLU(),
+                              torch.nn.Linear(48, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    kw = {"reshard_after_forward": reshard, "mp_policy": mp or MixedPrecisionPolicy()}
+    for layer in net:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, **kw)
+    fully_shard(net, **kw)
+    return net
+
+
+def _batch(rank, step, n=16):
+    import torch
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 64, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def _local_grads(model):
+    return [p.grad.to_local().detach().clone() for p in model.parameters()]
+
+
+def _train(model, steps, rank, start=0, opt=None, grads=None):
+    """SGD with momentum on ``_batch``; ``grads`` (a list) gets each step's local gradients."""
+    import torch
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(start, start + steps):
+        x, y = _batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        if grads is not None:
+            grads.append(_local_grads(model))
+        opt.step()
+    return opt
+
+
+def _params_equal_everywhere(comm, model):
+    import hashlib
+    digest = hashlib.blake2b(b"".join(p.full_tensor().detach().numpy().tobytes()
+                                      for p in model.parameters()), digest_size=16).digest()
+    all_d = comm.allgather_object(digest)
+    assert all(d == all_d[0] for d in all_d), "ranks hold different parameters"
+
+
+def _compare(a, b, exact, what, rtol=1e-6):
+    import torch
+    if exact:
+        assert torch.equal(a, b), f"{what}: max |diff| {float((a - b).abs().max()):.3g}"
+    else:
+        scale = max(float(a.abs().max()), 1e-30)
+        assert float((a - b).abs().max()) <= rtol * scale, \
+            f"{what}: max |diff| {float((a - b).abs().max()):.3g} > {rtol} * {scale:.3g}"
+
+
+def _none_equals_fsdp(rank, size, reshard):
+    """Our ``none`` against FSDP2's own reduce-scatter: every step's local gradients."""
+    from horovod_compress.torch import fsdp as hvdc_fsdp
+    ref, ours = [], []
+    _train(_mlp(reshard), STEPS, rank, grads=ref)
+    model = _mlp(reshard)
+    hvdc_fsdp.register(model, make("none"))
+    _train(model, STEPS, rank, grads=ours)
+    for s, (gr, go) in enumerate(zip(ref, ours)):
+        for j, (a, b) in enumerate(zip(gr, go)):
+            # P = 2: one addition, bit for bit; P = 4: gloo's order of the four addends may
+            # differ from ours, so float32 rounding of a different summation order
+            _compare(a, b, size == 2, f"step {s} param {j}", rtol=4e-7 * size)
+
+
+def _module_buffers(model, size):
+    """Per FSDP module (in backward order is not needed): the parameters' (rows per rank,
+    row numel, rows) -- the layout of FSDP's flat buffer, computed here independently."""
+    import torch
+    out = {}
+    for name, mod in model.named_modules():
+        own = [p for p in mod.parameters(recurse=False)]
+        if not own:
+            continue
+        lay = []
+        for p in own:
+            rows = -(-p.shape[0] // size)
+            rest = int(np.prod(p.shape[1:])) if p.dim() > 1 else 1
+            lay.append((rows, rest, p.shape[0]))
+        out[name] = (own, lay)
+    del torch
+    return out
+
+
+def _shard_equals_slice(label, rank, size, comm, bytes_table):
+    """The method's shard = the slice of its own allreduce replayed on the recorded inputs;
+    the optimizer's gradients = those slices; bytes of the last step against the formula."""
+    import torch
+
+    from horovod_compress.torch import fsdp as hvdc_fsdp
+    method = make(label)
+    model = _mlp()
+    state = hvdc_fsdp.register(model, method, comm=comm)
+    state.record = []
+    grads = []
+    opt = _train(model, STEPS - 1, rank)
+    state.reset_statistics()
+    first_of_last = len(state.record)
+    _train(model, 1, rank, start=STEPS - 1, opt=opt, grads=grads)
+    stats = state.statistics()
+    _params_equal_everywhere(comm, model)
+    assert state.iteration == STEPS, state.iteration
+    flat = method.layout == "flat"
+    numels = [sum(r * c for r, c, _ in lay) * size
+              for _own, lay in _module_buffers(model, size).values()]
+    formula = None
+    if flat and all(method.expected_bytes((n,), size) is not None for n in numels):
+        formula = sum(method.expected_bytes((n,), size) for n in numels)
+        if method.scatters:     # the reduce-scatter half of the method's ring
+            formula /= 2
+    bytes_table[label] = {"sent": stats["bytes_sent"], "received": stats["bytes_received"],
+                          "dense": stats["dense_bytes"], "formula": formula,
+                          "real_reduce_scatter": bool(method.scatters and flat)}
+
+    # replay: a fresh method of the same configuration, the same inputs in the same order
+    replay = make(label)
+    exact = size == 2 or flat
+    by_name = {}
+    for i, (name, x, got) in enumerate(state.record):
+        full = replay.allreduce(x, name, comm)
+        if flat:
+            blk = x.size // size
+            want = full.reshape(-1)[rank * blk:(rank + 1) * blk]
+        else:
+            want = full
+        _compare(torch.from_numpy(np.ascontiguousarray(got)),
+                 torch.from_numpy(np.ascontiguousarray(want)), exact,
+                 f"{label} record {i} ({name})", rtol=1e-4)
+        if i >= first_of_last:
+            by_name[name] = got
+    # the gradients FSDP handed the optimizer in the last step are those slices
+    params = dict(model.named_parameters())
+    for (own, lay), key in zip(_module_buffers(model, size).values(),
+                               _module_keys(model)):
+        offset = 0
+        for p, (rows, rest, dim0) in zip(own, lay):
+            local = max(0, min(rows, dim0 - rank * rows))
+            pname = next(n for n, q in params.items() if q is p)
+            if flat:
+                shard = np.asarray(by_name[key]).reshape(-1)
+                mine = shard[offset:offset + rows * rest].reshape((rows,) + tuple(p.shape[1:]))
+            else:
+                mine = np.asarray(by_name[pname])[rank * rows:rank * rows + rows]
+            offset += rows * rest
+            j = list(params).index(pname)
+            _compare(grads[-1][j], torch.from_numpy(np.ascontiguousarray(mine[:local])), True,
+                     f"{label} gradient of {pname}")
+
+
+def _module_keys(model):
+    """The state key of each module's flat buffer, in :func:`_module_buffers`' order."""
+    from horovod_compress.runtime.hook_buckets import flat_key
+    keys = []
+    size = __import__("torch.distributed", fromlist=["x"]).get_world_size()
+    for name, mod in model.named_modules():
+        own = [n for n, _ in mod.named_parameters(recurse=False)]
+        if not own:
+            continue
+        names = tuple(f"{name}.{n}" if name else n for n in own)
+        numel = sum(-(-p.shape[0] // size) * (int(np.prod(p.shape[1:])) if p.dim() > 1 else 1)
+                    for p in mod.parameters(recurse=False)) * size
+        keys.append(flat_key(names, numel))
+    return keys
+
+
+def _mixed_precision(rank, size, dtype, comm):
+    """reduce_dtype: the buffer FSDP hands over is in it; ours equals FSDP's own within that
+    dtype's rounding of P additions."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from horovod_compress.torch import fsdp as hvdc_fsdp
+    mp = MixedPrecisionPolicy(reduce_dtype=dtype)
+    ref, ours = [], []
+    _train(_mlp(mp=mp), 1, rank, grads=ref)
+    model = _mlp(mp=mp)
+    hvdc_fsdp.register(model, make("none"), comm=comm)
+    _train(model, 1, rank, grads=ours)
+    ulp = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
+    for j, (a, b) in enumerate(zip(ref[0], ours[0])):
+        _compare(a, b, False, f"reduce_dtype {dtype} param {j}", rtol=2 * size * ulp)
+
+
+def _divide_factor(rank, size, comm):
+    """set_gradient_divide_factor(1): FSDP asks for the sum; ours hands back P times the average."""
+    from horovod_compress.torch import fsdp as hvdc_fsdp
+    ref, ours = [], []
+    _train(_mlp(), 1, rank, grads=ref)
+    model = _mlp()
+    for _n, mod in hvdc_fsdp.fsdp_modules(model):
+        mod.set_gradient_divide_factor(1.0)
+    hvdc_fsdp.register(model, make("none"), comm=comm)
+    _train(model, 1, rank, grads=ours)
+    for j, (a, b) in enumerate(zip(ref[0], ours[0])):
+        _compare(a * size, b, False, f"divide factor 1, param {j}", rtol=1e-6)
+
+
+def _mismatch_raises(rank, comm):
+    """Ranks configured differently: the same TensorMismatchError on every rank."""
+    from horovod_compress.runtime.consistency import TensorMismatchError
+    from horovod_compress.torch import fsdp as hvdc_fsdp
+    model = _mlp()
+    hvdc_fsdp.register(model, make("topk", density=0.05 + 0.01 * rank), comm=comm)
+    try:
+        _train(model, 1, rank)
+    except TensorMismatchError as exc:
+        assert "density" in str(exc), str(exc)
+        return
+    raise AssertionError("no TensorMismatchError")
+
+
+def _checkpoint(label, rank, comm, out):
+    """4 steps straight = 2 steps, dcp.save, a fresh model and state, dcp.load, 2 steps."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from horovod_compress.torch import fsdp as hvdc_fsdp
+    straight = _mlp()
+    hvdc_fsdp.register(straight, make(label), comm=comm)
+    _train(straight, 4, rank)
+
+    first = _mlp()
+    st1 = hvdc_fsdp.register(first, make(label), comm=comm)
+    opt1 = _train(first, 2, rank)
+    msd, osd = get_state_dict(first, opt1)
+    path = out / f"dcp_{label}"
+    dcp.save({"model": msd, "optim": osd, "hvdc": st1.stateful()}, checkpoint_id=str(path))
+
+    second = _mlp(seed=1)       # other initial values: everything must come from the checkpoint
+    st2 = hvdc_fsdp.register(second, make(label), comm=comm)
+    opt2 = torch.optim.SGD(second.parameters(), lr=0.05, momentum=0.9)
+    msd2, osd2 = get_state_dict(second, opt2)
+    sd = {"model": msd2, "optim": osd2, "hvdc": st2.stateful()}
+    dcp.load(sd, checkpoint_id=str(path))
+    set_state_dict(second, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    assert st2.iteration == 2, st2.iteration
+    _train(second, 2, rank, start=2, opt=opt2)
+    for (n, a), b in zip(straight.named_parameters(), second.parameters()):
+        _compare(a.to_local(), b.to_local(), True, f"{label} {n} after the restore")
+
+
+# ------------------------------------------------------ torchrun: every method
+def ranks_fsdp(out: Path) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from horovod_compress.mpi_collectives import default_communicator
+    from horovod_compress.torch import fsdp as hvdc_fsdp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    comm = default_communicator()
+    checks, table = {}, {}
+    for reshard in (True, False):
+        check(checks, f"none_equals_fsdp[reshard_after_forward={reshard}]",
+              lambda reshard=reshard: _none_equals_fsdp(rank, size, reshard))
+    for label in METHODS:
+        check(checks, f"shard_equals_slice[{label}]",
+              lambda label=label: _shard_equals_slice(label, rank, size, comm, table))
+    for dtype in (torch.bfloat16, torch.float16):
+        check(checks, f"reduce_dtype[{dtype}]", lambda dtype=dtype: _mixed_precision(
+            rank, size, dtype, comm))
+    check(checks, "divide_factor", lambda: _divide_factor(rank, size, comm))
+    check(checks, "mismatch_raises_everywhere", lambda: _mismatch_raises(rank, comm))
+    for label in ("topk", "powersgd"):
+        check(checks, f"dcp_checkpoint_resumes_bit_for_bit[{label}]",
+              lambda label=label: _checkpoint(label, rank, comm, out))
+    model = _mlp()
+    numels = [sum(r * c for r, c, _ in lay) * size
+              for _own, lay in _module_buffers(model, size).values()]
+    (out / f"{ranks_fsdp.__name__}_rank{rank}.json").write_text(json.dumps(
+        {"checks": checks, "bytes": table, "size": size, "buffer_numels": numels,
+         "seconds": SECONDS,
+         "dense_bytes": hvdc_fsdp.dense_reduce_scatter_bytes(model, size)}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ------------------------------------------------------------ torchrun: digits
+def ranks_digits(out: Path) -> None:
+    """The digits MLP under FSDP2 and under DDP with each method: accuracy and bytes."""
+    import torch
+    import torch.distributed as dist
+
+    from horovod_compress.bench.ddp_digits import train_ddp_digits
+    from horovod_compress.bench.fsdp_digits import train_fsdp_digits
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    checks, acc = {}, {}
+    acc["fsdp_dense"] = train_fsdp_digits(None, epochs=DIGITS_EPOCHS)["test_accuracy"]
+    for label in DIGITS_METHODS:
+        def one(label=label):
+            ddp = train_ddp_digits(make(label, DIGITS_METHODS), epochs=DIGITS_EPOCHS)
+            fsdp = train_fsdp_digits(make(label, DIGITS_METHODS), epochs=DIGITS_EPOCHS)
+            acc[label] = {"ddp": ddp["test_accuracy"], "fsdp": fsdp["test_accuracy"],
+                          "fsdp_compression": fsdp["compression_ratio"]}
+            assert fsdp["test_accuracy"] >= ddp["test_accuracy"] - 0.03, acc[label]
+            if label == "none":
+                assert fsdp["test_accuracy"] >= acc["fsdp_dense"] - 0.01, acc
+        check(checks, f"digits_fsdp_matches_ddp[{label}]", one)
+    (out / f"{ranks_digits.__name__}_rank{rank}.json").write_text(
+        json.dumps({"checks": checks, "accuracy": acc}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------- torchrun: one rank raises
+def ranks_one_raises(out: Path) -> None:
+    """Rank 1 raises after one step; rank 0 goes on into the next reduce-scatter."""
+    import torch
+    import torch.distributed as dist
+
+    from horovod_compress.torch import fsdp as hvdc_fsdp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model = _mlp()
+    hvdc_fsdp.register(model, make("topk"))
+    _train(model, 1, rank)
+    if rank == 1:
+        raise RuntimeError("raised on purpose on rank 1")
+    _train(model, 1, rank, start=1)
+    (out / f"finished_rank{rank}").write_text("1")
+
+
+ENTRY_POINTS = (ranks_fsdp, ranks_digits, ranks_one_raises)
+
+
+if __name__ == "__main__":
+    _entry = {f.__name__: f for f in ENTRY_POINTS}[sys.argv[1]]
+    _out = Path(sys.argv[2])
+    _out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("HVDC_ABORT_ON_EXCEPTION", "0")
+    _entry(_out)
