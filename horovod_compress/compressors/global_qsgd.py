@@ -218,6 +218,13 @@ class GlobalQSGD(Method):
         self.horovod_compatible = (self.dithering == "linear" and self.bits == 8
                                    and self.sparse is False)
 
+    @property
+    def scatters(self) -> bool:  # type: ignore[override]
+        """reduce_scatter runs the reduce-scatter half of the 8-bit dense exchange (norm
+        agreement, then the codes' reduce-scatter with the custom sum); 4-bit and sparse
+        variants reduce everything and keep the slice."""
+        return self.bits == 8 and self.sparse is False
+
     def params(self) -> dict[str, Any]:
         return {"dithering": self.dithering, "bits": self.bits, "norm": self.norm,
                 "sparse": self.sparse, "headroom": self.headroom, "pipeline": self.pipeline,
@@ -343,10 +350,12 @@ class GlobalQSGD(Method):
                 avg = (as_module_array(self._sparse_sum(to_host(q), comm), xp)
                        * (d_scale / p)).astype(flat.dtype)
             else:
-                total = self._linear_allreduce(q, comm)
+                total = self._linear_allreduce(q, comm, self._scatter_block(flat, comm))
                 avg = dispatch.call("linear_dequantize", total, d_scale / p, flat.dtype)
         else:
-            if xp is np and not sparse and self._use_ring(comm, self.payload_bytes(flat.size)):
+            block = self._scatter_block(flat, comm)
+            if xp is np and not sparse and block is None \
+                    and self._use_ring(comm, self.payload_bytes(flat.size)):
                 from ..mpi_collectives.shared_window import use_shared_window
                 done = (self._exp_window(flat, q_scale, d_scale, key, comm, name, state)
                         if use_shared_window(comm) else None)
@@ -375,10 +384,11 @@ class GlobalQSGD(Method):
                        * (d_scale / p)).astype(flat.dtype)
             else:
                 rkey = self.stream_key(name, state.t, comm.rank, "reduce")
-                total_codes = self._exp_allreduce(payload, flat.size, comm, rkey, state)
+                total_codes = self._exp_allreduce(payload, flat.size, comm, rkey, state, block)
                 if xp is np and self.bits == 8:
-                    avg = np.empty(flat.size, dtype=flat.dtype)
-                    exp8_dequantize_range(total_codes, float(d_scale / p), avg, 0, flat.size)
+                    lo, hi = block if block is not None else (0, flat.size)
+                    avg = (np.zeros if block is not None else np.empty)(flat.size, dtype=flat.dtype)
+                    exp8_dequantize_range(total_codes, float(d_scale / p), avg, lo, hi)
                 else:
                     avg = dispatch.call("exp_dequantize", total_codes, d_scale / p, self.bits,
                                         flat.dtype)
@@ -616,14 +626,22 @@ class GlobalQSGD(Method):
             avg = comm.allreduce(flat, op="avg")
         return avg.reshape(shape), flat.copy().reshape(shape)
 
-    def _linear_allreduce(self, q: np.ndarray, comm: Any) -> np.ndarray:
+    def _linear_allreduce(self, q: np.ndarray, comm: Any,
+                          block: tuple[int, int] | None = None) -> np.ndarray:
         """Sum of int8 levels over ranks (exact: the level count rules out overflow).
+
+        ``block`` (under :meth:`~.base.Method.reduce_scatter`, 8 bits): only
+        that range is summed, by a reduce-scatter (zeros elsewhere).
 
         8-bit levels of a GPU array go to MPI as they are (CUDA-aware) or
         staged; 4-bit ones are packed on the device and their nibble-wise sum,
         a Python MPI operator, runs on a host copy of the packed bytes.
         """
         with comm.phase("global_qsgd.payload"):
+            if self.bits == 8 and block is not None:
+                total = np.zeros_like(q)
+                total[block[0]:block[1]] = comm.reduce_scatter(q, op="sum")
+                return total
             if self.bits == 8:
                 return comm.allreduce(q, op="sum")
             packed = dispatch.call("pack_nibbles", q)
@@ -632,9 +650,13 @@ class GlobalQSGD(Method):
         return dispatch.call("unpack_nibbles", total, q.size, True)
 
     def _exp_allreduce(self, payload: np.ndarray, n: int, comm: Any, rkey: np.uint64,
-                       state: TensorState) -> np.ndarray:
+                       state: TensorState, block: tuple[int, int] | None = None) -> np.ndarray:
         """Exponential codes (``payload``: 8-bit, or 4-bit packed, of ``n`` elements) reduced by
         Algorithm 2 inside a reduce-scatter + allgatherv; returns the ``n`` unpacked codes.
+
+        ``block`` (under :meth:`~.base.Method.reduce_scatter`, 8 bits): the
+        reduce-scatter alone (``comm.reduce_scatter_custom``), this rank's
+        block of codes in place, zeros elsewhere.
 
         The operator MPI calls is a Python callback on host memory, so GPU
         codes (1 byte or half a byte per element, a quarter or an eighth of
@@ -645,7 +667,12 @@ class GlobalQSGD(Method):
             total, saturated = self._exp4_tree(to_host(payload), comm, rkey)
         else:
             with reduce_stream(int(rkey)) as stream, comm.phase("global_qsgd.payload"):
-                total = comm.allreduce_custom(to_host(payload), f"exp{self.bits}")
+                if block is not None:
+                    total = np.zeros(n, dtype=payload.dtype)
+                    total[block[0]:block[1]] = comm.reduce_scatter_custom(
+                        to_host(payload), f"exp{self.bits}")
+                else:
+                    total = comm.allreduce_custom(to_host(payload), f"exp{self.bits}")
                 saturated = stream.saturated
         if saturated:
             state["saturated"] = int(state.get("saturated", 0)) + saturated

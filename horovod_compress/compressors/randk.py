@@ -6,7 +6,12 @@ k values suffices:
 
     avg[I_t] = (1/P) * sum_i x_i[I_t],  avg = 0 elsewhere
 
-Volume: a ring allreduce of k words, 2k(P-1)/P words per rank. With
+Volume: a ring allreduce of k words, 2k(P-1)/P words per rank. Under
+:meth:`~.base.Method.reduce_scatter` (P equal blocks of the vector) only the
+reduce half travels: every rank knows I_t, hence how many of the k indices
+fall into each block, and sends each rank the values of its block (one
+alltoallv, k(P-1)/P words per rank on average, each block summed in rank
+order). With
 ``unbiased=True`` the result is scaled by n/k (E[avg] = true average, the
 classic unbiased Rand-K, no feedback by default); otherwise it is the biased
 "random sparsification" used with error feedback (default ``residual``).
@@ -38,6 +43,7 @@ class RandK(DensitySparsifier):
 
     name = "randk"
     gpu_native = True
+    scatters = True     # reduce_scatter: each block's values to its rank (alltoallv)
 
     def __init__(self, *, density: float = 0.01, unbiased: bool = False,
                  feedback: str | None = None, warmup_steps: int = 0, seed: int = 0,
@@ -61,7 +67,7 @@ class RandK(DensitySparsifier):
         xp = get_array_module(x)
         flat = x.reshape(-1)
         idx = as_module_array(self.indices(name, state.t, flat.size), xp)  # drawn on the host
-        vals = comm.allreduce(xp.ascontiguousarray(flat[idx]), op="avg")
+        vals = self._average_values(xp.ascontiguousarray(flat[idx]), idx, flat, comm)
         scale = flat.dtype.type(flat.size / max(idx.size, 1)) if self.unbiased else None
         avg = xp.zeros_like(flat)
         avg[idx] = vals * scale if scale is not None else vals
@@ -90,12 +96,37 @@ class RandK(DensitySparsifier):
         from ..kernels.scatter import cancel_at
         flat_x, flat_e, flat = x.reshape(-1), e.reshape(-1), acc.reshape(-1)
         idx = self.indices(name, state.t, flat.size)
-        vals = comm.allreduce(flat_x[idx] + flat_e[idx], op="avg")
+        vals = self._average_values(flat_x[idx] + flat_e[idx], idx, flat, comm)
         np.add(flat_x, flat_e, out=flat)
         cancel_at(flat, idx)
         avg = np.zeros_like(flat)
         avg[idx] = vals
         return avg.reshape(x.shape), None
+
+    def _average_values(self, vals: Any, idx: Any, flat: Any, comm: Any) -> Any:
+        """The average over ranks of the k values at the shared indices ``idx`` (sorted).
+
+        In a plain allreduce, one allreduce of the k values. Under
+        :meth:`~.base.Method.reduce_scatter` (host arrays) only this rank's
+        block is reduced: the values whose index falls into block j go to rank
+        j (one alltoallv; the split points come from ``idx``, the same on every
+        rank), which sums the P parts in rank order and divides by P; the
+        other entries of the returned vector are zero.
+        """
+        block = self._scatter_block(flat, comm)
+        if block is None or type(vals) is not np.ndarray:
+            return comm.allreduce(vals, op="avg")
+        size = block[1] - block[0]
+        host_idx = np.asarray(idx)
+        cuts = np.searchsorted(host_idx, np.arange(comm.size + 1) * size)
+        parts = comm.alltoallv([vals[cuts[j]:cuts[j + 1]] for j in range(comm.size)])
+        mine = np.array(parts[0], copy=True)
+        for part in parts[1:]:
+            mine += part
+        mine /= mine.dtype.type(comm.size)
+        out = np.zeros_like(vals)
+        out[cuts[comm.rank]:cuts[comm.rank + 1]] = mine
+        return out
 
     def expected_bytes(self, shape: tuple[int, ...], world_size: int, itemsize: int = 4) -> float:
         k = k_from_density(self.name, self.density, int(np.prod(shape)))
