@@ -122,9 +122,10 @@ def test_fsdp_bytes_against_dense_reduce_scatter(fsdp_run):
 
 
 def test_fsdp_digits_reaches_ddp_accuracy(tmp_path):
-    """The digits MLP (2 ranks, 4 epochs) under FSDP2 with each method reaches the test
-    accuracy it reaches under DDP with the same method (within 3 points), and FSDP2 with
-    ``none`` that of FSDP2's own reduce-scatter."""
+    """The digits MLP (2 ranks, 8 epochs) under FSDP2 with each method reaches >= 85% test
+    accuracy and the accuracy it reaches under DDP with the same method (within 5 points:
+    FSDP2 selects per layer, see DIGITS_EPOCHS), and FSDP2 with ``none`` that of FSDP2's
+    own reduce-scatter."""
     pytest.importorskip("torch.distributed.fsdp")
     torchrun(2, ranks_digits, tmp_path, timeout=600)
     bad = failures(written(tmp_path, ranks_digits, 2))
@@ -142,6 +143,32 @@ def test_exception_on_one_rank_ends_the_job(tmp_path):
     assert time.monotonic() - t0 < 170
     assert not (tmp_path / "finished_rank0").exists()
     assert "raised on purpose" in proc.stderr + proc.stdout
+
+
+def _run_example(args: list[str], timeout: float = 300) -> str:
+    cmd = torchrun_command(2, "examples/fsdp_digits.py", *args)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=ROOT)
+    assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def test_fsdp_example_resumes_bit_for_bit(tmp_path):
+    """examples/fsdp_digits.py on 2 ranks: 2 epochs straight end with the same parameters as
+    1 epoch, then --resume from its DCP checkpoint for 1 more (Top-k, per-rank residuals)."""
+    pytest.importorskip("torch.distributed.fsdp")
+    common = ["--compression", "topk", "--param", "density=0.05", "--param", "warmup_steps=1"]
+    straight = _run_example([*common, "--epochs", "2", "--checkpoint", str(tmp_path / "a")])
+    assert "epoch 2: test accuracy" in straight and "less than FSDP2's dense" in straight, straight
+    _run_example([*common, "--epochs", "1", "--checkpoint", str(tmp_path / "b")])
+    resumed = _run_example([*common, "--epochs", "2", "--checkpoint", str(tmp_path / "b"),
+                            "--resume"])
+    assert "epoch 1:" not in resumed and "epoch 2:" in resumed, resumed
+    # the same statistics line too: bytes continue across the restore
+    assert [ln for ln in straight.splitlines() if ln.startswith("epoch 2:")] == \
+        [ln for ln in resumed.splitlines() if ln.startswith("epoch 2:")], (straight, resumed)
+    digest = [ln for ln in straight.splitlines() if ln.startswith("parameters digest")]
+    assert digest and digest == [ln for ln in resumed.splitlines()
+                                 if ln.startswith("parameters digest")], (straight, resumed)
 
 
 # ====================================================== on the ranks
@@ -190,7 +217,11 @@ DIGITS_METHODS = {
     "arc_topk": ("arc_topk", {"rank": 2}),
     "greedylore": ("greedylore", {"rank": 2, "period": 2}),
 }
-DIGITS_EPOCHS = 4
+# FSDP2 reduces one module at a time, so a sparsifier selects per layer where DDP's single
+# bucket selects over the whole model: the curves differ by a few points from epoch to epoch
+# (measured, top-k 5%: DDP 0.889/0.942/0.869/0.944/0.950 in epochs 4-8, FSDP2
+# 0.705/0.830/0.903/0.950/0.958) and meet by epoch 8.
+DIGITS_EPOCHS = 8
 
 
 def make(label, table=None, **override):
@@ -521,7 +552,8 @@ def ranks_digits(out: Path) -> None:
             fsdp = train_fsdp_digits(make(label, DIGITS_METHODS), epochs=DIGITS_EPOCHS)
             acc[label] = {"ddp": ddp["test_accuracy"], "fsdp": fsdp["test_accuracy"],
                           "fsdp_compression": fsdp["compression_ratio"]}
-            assert fsdp["test_accuracy"] >= ddp["test_accuracy"] - 0.03, acc[label]
+            assert fsdp["test_accuracy"] >= 0.85, acc[label]
+            assert fsdp["test_accuracy"] >= ddp["test_accuracy"] - 0.05, acc[label]
             if label == "none":
                 assert fsdp["test_accuracy"] >= acc["fsdp_dense"] - 0.01, acc
         check(checks, f"digits_fsdp_matches_ddp[{label}]", one)
