@@ -34,6 +34,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "deepreduce": ("deepreduce", "DeepReduce: bytes of index/value codecs on Top-k of real gradients"),
     "ddp-e2e": ("ddp_e2e", "DDP dense vs every method's comm hook (and PyTorch's PowerSGD) on shaped links"),
     "e2e": ("e2e", "training steps of every method on an emulated cluster with shaped links"),
+    "fsdp": ("fsdp_e2e", "FSDP2 dense vs every method's compressed reduce-scatter on shaped links"),
     "hot_path": ("hot_path", "ms of one compressed allreduce vs memcpy and dense"),
     "kernels": ("kernels", "kernel speed vs memcpy and vs the library calls they replace"),
     "kernels-gpu": ("kernels_gpu", "GPU kernel speed vs device memcpy, the CPU kernel and library calls"),

@@ -184,14 +184,17 @@ def split_variants(spec: str) -> list[str]:
     return split_specs(spec)
 
 
-def _run(args: argparse.Namespace) -> int:
+def run_on_cluster(args: argparse.Namespace, module: str, worker_argv: list[str]) -> dict[str, Any] | None:
+    """Start ``python -m <module> --worker --json J <worker_argv>`` once per emulated host
+    (``args``: hosts, bandwidth, cluster, subnet, port, timeout) as a gloo job over the
+    hosts' links; returns rank 0's JSON with the run's provenance (bandwidth, load
+    average before and after, cores, command, date), or ``None`` when a worker failed."""
     from horovod_compress.cluster import ClusterSpec, EmulatedCluster
     from horovod_compress.cluster.launch import threads_per_rank
 
     spec = ClusterSpec(hosts=args.hosts, bandwidth=args.bandwidth, name=args.cluster,
                        subnet=args.subnet)
-    out_json = Path(args.out).with_suffix(".json")
-    tmp_json = Path("/tmp") / f"hvdc_ddp_e2e_{os.getpid()}.json"
+    tmp_json = Path("/tmp") / f"hvdc_{module.rsplit('.', 1)[-1]}_{os.getpid()}.json"
     threads = threads_per_rank(args.hosts)
     argv_used = sys.argv[1:]
     load0 = os.getloadavg()[0]
@@ -204,22 +207,29 @@ def _run(args: argparse.Namespace) -> int:
         procs = []
         for i in range(args.hosts):
             e = dict(env, RANK=str(i), LOCAL_RANK="0")
-            cmd = ["ip", "netns", "exec", spec.host(i), sys.executable, "-m",
-                   "horovod_compress.bench.ddp_e2e", "--worker", "--json", str(tmp_json),
-                   "--model", args.model, "--rank", str(args.rank), "--steps", str(args.steps),
-                   "--rounds", str(args.rounds), "--warmup", str(args.warmup),
-                   "--variants", args.variants]
+            cmd = ["ip", "netns", "exec", spec.host(i), sys.executable, "-m", module,
+                   "--worker", "--json", str(tmp_json), *worker_argv]
             procs.append(subprocess.Popen(cmd, env=e))
         codes = [p.wait(timeout=args.timeout) for p in procs]
     if any(codes):
         print(f"workers failed: exit codes {codes}", file=sys.stderr)
-        return 1
+        return None
     res = json.loads(tmp_json.read_text())
     tmp_json.unlink()
-    res.update(bandwidth=args.bandwidth, hosts=args.hosts, steps_per_round=args.steps,
-               rounds=args.rounds, load=[load0, os.getloadavg()[0]], cores=os.cpu_count(),
-               command="python -m horovod_compress.bench.ddp_e2e " + " ".join(argv_used),
+    res.update(bandwidth=args.bandwidth, hosts=args.hosts, load=[load0, os.getloadavg()[0]],
+               cores=os.cpu_count(), command=f"python -m {module} " + " ".join(argv_used),
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
+    return res
+
+
+def _run(args: argparse.Namespace) -> int:
+    res = run_on_cluster(args, "horovod_compress.bench.ddp_e2e", [
+        "--model", args.model, "--rank", str(args.rank), "--steps", str(args.steps),
+        "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--variants", args.variants])
+    if res is None:
+        return 1
+    res.update(steps_per_round=args.steps, rounds=args.rounds)
+    out_json = Path(args.out).with_suffix(".json")
     out_json.parent.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(res, indent=1))
     Path(args.out).write_text(render(res))
@@ -262,8 +272,9 @@ def render(res: dict[str, Any]) -> str:
             "|---|---:|---:|---:|---:|---:|---:|---:|\n" + "\n".join(rows) + "\n")
 
 
-def plot(res: dict[str, Any], path: Path) -> Path:
-    """Bar chart: median step time per variant, the part spent inside the hook shaded."""
+def plot(res: dict[str, Any], path: Path, *, framework: str = "DDP",
+         inside: str = "inside the comm hook") -> Path:
+    """Bar chart: median step time per variant, the part spent inside the hook (``inside``) shaded."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -274,11 +285,11 @@ def plot(res: dict[str, Any], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(max(6.0, 0.8 * len(names) + 2), 4.2))
     x = range(len(names))
     ax.bar(x, step, color="#9ecae1", label="step (median)")
-    ax.bar(x, hook, color="#3182bd", label="inside the comm hook (median)")
+    ax.bar(x, hook, color="#3182bd", label=f"{inside} (median)")
     ax.set_xticks(list(x))
     ax.set_xticklabels([_label(v) for v in names], rotation=35, ha="right", fontsize=8)
     ax.set_ylabel("ms per step")
-    ax.set_title(f"DDP, {res['hosts']} hosts at {res['bandwidth']}, {res['model']}")
+    ax.set_title(f"{framework}, {res['hosts']} hosts at {res['bandwidth']}, {res['model']}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
