@@ -171,6 +171,40 @@ def test_fsdp_example_resumes_bit_for_bit(tmp_path):
                                  if ln.startswith("parameters digest")], (straight, resumed)
 
 
+def test_fsdp_bench_is_an_hvdc_bench_command():
+    """``hvdc bench fsdp --help`` reaches the benchmark's own options (nothing is run)."""
+    proc = subprocess.run([sys.executable, "-m", "horovod_compress.cli", "bench", "fsdp", "--help"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "--variants" in proc.stdout and "--bandwidth" in proc.stdout
+
+
+def test_fsdp_bench_page_and_plot(tmp_path):
+    """The FSDP2 benchmark's variants, its page (speedups against FSDP2 dense, the exchange
+    kind, bytes) and its plot, from a made-up result."""
+    pytest.importorskip("matplotlib")
+    from horovod_compress.bench import fsdp_e2e
+    from horovod_compress.bench.ddp_e2e import ALL_HOOKS
+
+    everything = fsdp_e2e.expand_variants("all").split(",")
+    assert everything[0] == "fsdp_dense" and len(everything) == 1 + len(ALL_HOOKS)
+    res = {"world_size": 4, "model": "tiny", "rank": 4, "threads": 1, "bandwidth": "1gbit",
+           "hosts": 4, "date": "now", "steps_per_round": 1, "load": [1.0, 2.0], "cores": 2,
+           "dense_bytes_per_step": 2 ** 20,
+           "variants": {"fsdp_dense": {"median_s": 0.4, "p25_s": 0.39, "p75_s": 0.41, "steps": 3,
+                                       "hook_median_s": None},
+                        "hvdc_fp16": {"median_s": 0.2, "p25_s": 0.19, "p75_s": 0.21, "steps": 3,
+                                      "hook_median_s": 0.1, "compression": 2.0,
+                                      "bytes_sent_per_step": 2 ** 19,
+                                      "real_reduce_scatter": True}}}
+    page = fsdp_e2e.render(res)
+    assert "| fsdp_dense | - | 400.0 | 390.0–410.0 | - | 1.00x | 1.00 | 1.0x | 3 |" in page, page
+    assert "| hvdc_fp16 | reduce-scatter | 200.0 | 190.0–210.0 | 100.0 | 2.00x | 0.50 | 2.0x | 3 |" \
+        in page, page
+    assert "before / after: 1.00 / 2.00" in page and "shared with other jobs" in page
+    assert fsdp_e2e.plot(res, tmp_path / "p.png", framework="FSDP2").stat().st_size > 1000
+
+
 # ====================================================== on the ranks
 METHODS = {
     "none": ("none", {}),
@@ -315,9 +349,8 @@ def _none_equals_fsdp(rank, size, reshard):
 
 
 def _module_buffers(model, size):
-    """Per FSDP module (in backward order is not needed): the parameters' (rows per rank,
-    row numel, rows) -- the layout of FSDP's flat buffer, computed here independently."""
-    import torch
+    """Per module with parameters of its own: its parameters and their (rows per rank, row
+    numel, rows) -- the layout of FSDP's flat buffer, computed here independently."""
     out = {}
     for name, mod in model.named_modules():
         own = [p for p in mod.parameters(recurse=False)]
@@ -329,7 +362,6 @@ def _module_buffers(model, size):
             rest = int(np.prod(p.shape[1:])) if p.dim() > 1 else 1
             lay.append((rows, rest, p.shape[0]))
         out[name] = (own, lay)
-    del torch
     return out
 
 
@@ -385,7 +417,7 @@ def _shard_equals_slice(label, rank, size, comm, bytes_table):
     # the gradients FSDP handed the optimizer in the last step are those slices
     params = dict(model.named_parameters())
     for (own, lay), key in zip(_module_buffers(model, size).values(),
-                               _module_keys(model)):
+                               _module_keys(model, size)):
         offset = 0
         for p, (rows, rest, dim0) in zip(own, lay):
             local = max(0, min(rows, dim0 - rank * rows))
@@ -401,19 +433,14 @@ def _shard_equals_slice(label, rank, size, comm, bytes_table):
                      f"{label} gradient of {pname}")
 
 
-def _module_keys(model):
+def _module_keys(model, size):
     """The state key of each module's flat buffer, in :func:`_module_buffers`' order."""
     from horovod_compress.runtime.hook_buckets import flat_key
     keys = []
-    size = __import__("torch.distributed", fromlist=["x"]).get_world_size()
-    for name, mod in model.named_modules():
-        own = [n for n, _ in mod.named_parameters(recurse=False)]
-        if not own:
-            continue
-        names = tuple(f"{name}.{n}" if name else n for n in own)
-        numel = sum(-(-p.shape[0] // size) * (int(np.prod(p.shape[1:])) if p.dim() > 1 else 1)
-                    for p in mod.parameters(recurse=False)) * size
-        keys.append(flat_key(names, numel))
+    for name, (_own, lay) in _module_buffers(model, size).items():
+        mod = model.get_submodule(name)
+        names = tuple(f"{name}.{n}" if name else n for n, _ in mod.named_parameters(recurse=False))
+        keys.append(flat_key(names, sum(r * c for r, c, _ in lay) * size))
     return keys
 
 
@@ -494,17 +521,31 @@ def _checkpoint(label, rank, comm, out):
         _compare(a.to_local(), b.to_local(), True, f"{label} {n} after the restore")
 
 
+def _start_ranks():
+    """One thread per rank, the gloo process group; ``(rank, world size)``."""
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _finish_ranks(out, entry, payload):
+    """Write this rank's ``payload`` for ``entry``; leave the process group together."""
+    import torch.distributed as dist
+    (out / f"{entry.__name__}_rank{dist.get_rank()}.json").write_text(json.dumps(payload))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 # ------------------------------------------------------ torchrun: every method
 def ranks_fsdp(out: Path) -> None:
     import torch
-    import torch.distributed as dist
 
     from horovod_compress.mpi_collectives import default_communicator
     from horovod_compress.torch import fsdp as hvdc_fsdp
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
+    rank, size = _start_ranks()
     comm = default_communicator()
     checks, table = {}, {}
     for reshard in (True, False):
@@ -524,26 +565,18 @@ def ranks_fsdp(out: Path) -> None:
     model = _mlp()
     numels = [sum(r * c for r, c, _ in lay) * size
               for _own, lay in _module_buffers(model, size).values()]
-    (out / f"{ranks_fsdp.__name__}_rank{rank}.json").write_text(json.dumps(
-        {"checks": checks, "bytes": table, "size": size, "buffer_numels": numels,
-         "seconds": SECONDS,
-         "dense_bytes": hvdc_fsdp.dense_reduce_scatter_bytes(model, size)}))
-    dist.barrier()
-    dist.destroy_process_group()
+    _finish_ranks(out, ranks_fsdp, {
+        "checks": checks, "bytes": table, "size": size, "buffer_numels": numels,
+        "seconds": SECONDS, "dense_bytes": hvdc_fsdp.dense_reduce_scatter_bytes(model, size)})
 
 
 # ------------------------------------------------------------ torchrun: digits
 def ranks_digits(out: Path) -> None:
     """The digits MLP under FSDP2 and under DDP with each method: accuracy and bytes."""
-    import torch
-    import torch.distributed as dist
-
     from horovod_compress.bench.ddp_digits import train_ddp_digits
     from horovod_compress.bench.fsdp_digits import train_fsdp_digits
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    _start_ranks()
     checks, acc = {}, {}
     acc["fsdp_dense"] = train_fsdp_digits(None, epochs=DIGITS_EPOCHS)["test_accuracy"]
     for label in DIGITS_METHODS:
@@ -557,23 +590,15 @@ def ranks_digits(out: Path) -> None:
             if label == "none":
                 assert fsdp["test_accuracy"] >= acc["fsdp_dense"] - 0.01, acc
         check(checks, f"digits_fsdp_matches_ddp[{label}]", one)
-    (out / f"{ranks_digits.__name__}_rank{rank}.json").write_text(
-        json.dumps({"checks": checks, "accuracy": acc}))
-    dist.barrier()
-    dist.destroy_process_group()
+    _finish_ranks(out, ranks_digits, {"checks": checks, "accuracy": acc})
 
 
 # --------------------------------------------------- torchrun: one rank raises
 def ranks_one_raises(out: Path) -> None:
     """Rank 1 raises after one step; rank 0 goes on into the next reduce-scatter."""
-    import torch
-    import torch.distributed as dist
-
     from horovod_compress.torch import fsdp as hvdc_fsdp
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    rank, _size = _start_ranks()
     model = _mlp()
     hvdc_fsdp.register(model, make("topk"))
     _train(model, 1, rank)

@@ -35,7 +35,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
+
+from .report_files import write_report
 
 VARIANTS = ("ddp_dense", "torch_powerSGD_hook", "hvdc_powersgd")
 
@@ -184,11 +186,14 @@ def split_variants(spec: str) -> list[str]:
     return split_specs(spec)
 
 
-def run_on_cluster(args: argparse.Namespace, module: str, worker_argv: list[str]) -> dict[str, Any] | None:
-    """Start ``python -m <module> --worker --json J <worker_argv>`` once per emulated host
-    (``args``: hosts, bandwidth, cluster, subnet, port, timeout) as a gloo job over the
-    hosts' links; returns rank 0's JSON with the run's provenance (bandwidth, load
-    average before and after, cores, command, date), or ``None`` when a worker failed."""
+def run_on_cluster(args: argparse.Namespace, module: str,
+                   render_page: Callable[[dict[str, Any]], str],
+                   plot_page: Callable[[dict[str, Any], Path], Any]) -> int:
+    """Start ``python -m <module> --worker`` once per emulated host as a gloo job over the
+    hosts' links (``args``: hosts, bandwidth, cluster, subnet, port, timeout, and the
+    workers' model, rank, steps, rounds, warmup, variants); write rank 0's results with the
+    run's provenance (bandwidth, load average before and after, cores, command, date) to
+    ``args.out`` (.md by ``render_page``, .json, .png by ``plot_page``). The exit status."""
     from horovod_compress.cluster import ClusterSpec, EmulatedCluster
     from horovod_compress.cluster.launch import threads_per_rank
 
@@ -208,34 +213,28 @@ def run_on_cluster(args: argparse.Namespace, module: str, worker_argv: list[str]
         for i in range(args.hosts):
             e = dict(env, RANK=str(i), LOCAL_RANK="0")
             cmd = ["ip", "netns", "exec", spec.host(i), sys.executable, "-m", module,
-                   "--worker", "--json", str(tmp_json), *worker_argv]
+                   "--worker", "--json", str(tmp_json), "--model", args.model,
+                   "--rank", str(args.rank), "--steps", str(args.steps),
+                   "--rounds", str(args.rounds), "--warmup", str(args.warmup),
+                   "--variants", args.variants]
             procs.append(subprocess.Popen(cmd, env=e))
         codes = [p.wait(timeout=args.timeout) for p in procs]
     if any(codes):
         print(f"workers failed: exit codes {codes}", file=sys.stderr)
-        return None
+        return 1
     res = json.loads(tmp_json.read_text())
     tmp_json.unlink()
     res.update(bandwidth=args.bandwidth, hosts=args.hosts, load=[load0, os.getloadavg()[0]],
                cores=os.cpu_count(), command=f"python -m {module} " + " ".join(argv_used),
-               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    return res
+               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               steps_per_round=args.steps, rounds=args.rounds)
+    out = Path(args.out)
+    write_report(out.parent, out.stem, res, render_page, plot_page)
+    return 0
 
 
 def _run(args: argparse.Namespace) -> int:
-    res = run_on_cluster(args, "horovod_compress.bench.ddp_e2e", [
-        "--model", args.model, "--rank", str(args.rank), "--steps", str(args.steps),
-        "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--variants", args.variants])
-    if res is None:
-        return 1
-    res.update(steps_per_round=args.steps, rounds=args.rounds)
-    out_json = Path(args.out).with_suffix(".json")
-    out_json.parent.mkdir(parents=True, exist_ok=True)
-    out_json.write_text(json.dumps(res, indent=1))
-    Path(args.out).write_text(render(res))
-    plot(res, Path(args.out).with_suffix(".png"))
-    print(render(res))
-    return 0
+    return run_on_cluster(args, "horovod_compress.bench.ddp_e2e", render, plot)
 
 
 def _label(v: str) -> str:

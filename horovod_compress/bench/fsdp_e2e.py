@@ -199,19 +199,9 @@ def run(args: argparse.Namespace) -> int:
     if args.worker:
         _worker(args)
         return 0
-    res = run_on_cluster(args, "horovod_compress.bench.fsdp_e2e", [
-        "--model", args.model, "--rank", str(args.rank), "--steps", str(args.steps),
-        "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--variants", args.variants])
-    if res is None:
-        return 1
-    res.update(steps_per_round=args.steps, rounds=args.rounds)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    out.write_text(render(res))
-    plot(res, out.with_suffix(".png"), framework="FSDP2", inside="inside our reduce-scatters")
-    print(render(res))
-    return 0
+    return run_on_cluster(
+        args, "horovod_compress.bench.fsdp_e2e", render,
+        lambda res, path: plot(res, path, framework="FSDP2", inside="inside our reduce-scatters"))
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -223,6 +213,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """``python -m horovod_compress.bench.fsdp_e2e``: parse the options and run."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_arguments(ap)
     sys.exit(run(ap.parse_args(argv)))

@@ -195,10 +195,14 @@ class CompressedReduceScatter(ReduceScatter):
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype,
                  device: torch.device) -> torch.Tensor:
+        """FSDP2's buffers (its input and output): plain ``torch.empty`` on ``device``."""
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op: Any, async_op: bool = False) -> None:
+        """Reduce-scatter ``input_tensor`` into ``output_tensor`` with the method, synchronously
+        (``async_op`` is ignored: the result is in ``output_tensor`` on return; FSDP2 calls
+        it without)."""
         self.state.reduce_scatter(self, output_tensor, input_tensor, group, op)
         return None
 
@@ -300,11 +304,13 @@ class RankState:
         return f"rank{self.state.comm.rank}"
 
     def state_dict(self) -> dict[str, Any]:
+        """``{"rank<r>": bytes}``: this rank's :meth:`FSDPState.state_dict`, serialized."""
         buf = io.BytesIO()
         torch.save(self.state.state_dict(), buf)
         return {self._key(): buf.getvalue()}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore this rank's state from what DCP loaded under its key."""
         blob = sd[self._key()]
         self.state.load_state_dict(torch.load(io.BytesIO(blob), weights_only=True))
 
