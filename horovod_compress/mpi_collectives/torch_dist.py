@@ -30,7 +30,7 @@ the mpi4py backend, so byte counts compare across backends):
   MPI's matched probe carries the length in the envelope). Messages to self
   stay in process.
 * ``broadcast``: ``dist.broadcast``; N from the root, N to every other rank.
-* ``reduce_scatter`` (sum/avg, P equal blocks): ``dist.reduce_scatter_tensor``;
+* ``reduce_scatter`` (sum/avg, P equal blocks): ``dist.reduce_scatter_single``;
   N(P-1)/P each way.
 * ``allreduce_custom``: torch.distributed has no user-defined reduction
   operators (MPI's ``MPI_Op_create``). Global-QSGD's exponential dithering
@@ -443,7 +443,7 @@ class TorchCommunicator(FusingAccounting):
         """This rank's block of the elementwise sum (or ``avg``) over ranks.
 
         ``array`` (1-D, its length a multiple of P) is cut into P equal
-        blocks; rank j receives block j reduced (``dist.reduce_scatter_tensor``;
+        blocks; rank j receives block j reduced (``dist.reduce_scatter_single``;
         ``avg`` sums then divides by P in the array's dtype, as :meth:`allreduce`).
         Counts ``N(P-1)/P`` bytes each way for N bytes.
         """
@@ -453,7 +453,7 @@ class TorchCommunicator(FusingAccounting):
             out[:] = send
         elif block:
             with self.in_mpi("reduce_scatter"):
-                _dist().reduce_scatter_tensor(_as_tensor(out), _as_tensor(send),
+                _dist().reduce_scatter_single(_as_tensor(out), _as_tensor(send),
                                               op=_dist().ReduceOp.SUM, group=self._group_for(send))
         vol = reduce_scatter_volume(send.nbytes, self.size)
         self._account("reduce_scatter", vol, vol)
