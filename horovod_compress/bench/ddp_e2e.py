@@ -225,7 +225,9 @@ def run_on_cluster(args: argparse.Namespace, module: str,
     res = json.loads(tmp_json.read_text())
     tmp_json.unlink()
     res.update(bandwidth=args.bandwidth, hosts=args.hosts, load=[load0, os.getloadavg()[0]],
-               cores=os.cpu_count(), command=f"python -m {module} " + " ".join(argv_used),
+               cores=os.cpu_count(), command=(  # as typed: through the CLI or the module
+                   "hvdc " if argv_used[:1] == ["bench"] else f"python -m {module} ")
+               + " ".join(argv_used),
                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                steps_per_round=args.steps, rounds=args.rounds)
     out = Path(args.out)

@@ -120,10 +120,11 @@ def _worker(args: argparse.Namespace) -> None:
                      "step_s": [round(t, 6) for t in ts]}
             if v in states:
                 stats = states[v].statistics()
-                entry.update(params=states[v].method.config(), compression=stats["compression"],
+                method = states[v].method
+                entry.update(params=method.config(), compression=stats["compression"],
                              bytes_sent_per_step=stats["bytes_sent"] / len(ts),
-                             real_reduce_scatter=bool(states[v].method.scatters
-                                                      and states[v].method.layout == "flat"))
+                             layout=method.layout,
+                             real_reduce_scatter=bool(method.scatters and method.layout == "flat"))
             out["variants"][v] = entry
         Path(args.json).write_text(json.dumps(out, indent=1))
     for st in states.values():
@@ -141,8 +142,8 @@ def render(res: dict[str, Any]) -> str:
         speed = f"{dense / r['median_s']:.2f}x" if dense else "-"
         hook = r.get("hook_median_s")
         comp = r.get("compression")
-        kind = "-" if v == "fsdp_dense" else ("reduce-scatter" if r.get("real_reduce_scatter")
-                                               else "allreduce + slice")
+        kind = ("-" if v == "fsdp_dense" else "reduce-scatter" if r.get("real_reduce_scatter")
+                else "per parameter" if r.get("layout") == "matrix" else "allreduce + slice")
         sent = r.get("bytes_sent_per_step", res.get("dense_bytes_per_step"))
         rows.append(f"| {v} | {kind} | {1e3 * r['median_s']:.1f} | {1e3 * r['p25_s']:.1f}–"
                     f"{1e3 * r['p75_s']:.1f} | {'-' if hook is None else f'{1e3 * hook:.1f}'} "
