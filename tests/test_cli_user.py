@@ -1,0 +1,113 @@
+"""What a user sees of the ``hvdc`` command and of the constructors: true defaults, clear
+errors for misspelt or mistyped parameters, help text without reStructuredText markup."""
+from __future__ import annotations
+
+import ast
+import re
+
+import pytest
+
+import horovod_compress as hvdc
+from horovod_compress.cli import main, plain_text
+from horovod_compress.compressors import registry
+
+
+def _listed_methods(capsys) -> dict[str, dict]:
+    """``hvdc methods`` parsed back: name -> {parameter: default}."""
+    assert main(["methods"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    out = {}
+    for head, params in zip(lines[0::2], lines[1::2]):
+        name = head.split()[0]
+        call = ast.parse(f"f{params.strip()}", mode="eval").body
+        out[name] = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+    return out
+
+
+def _actual(method, key):
+    """The value ``method`` (built with no arguments) really uses for parameter ``key``."""
+    if key == "feedback":
+        if method.name == "greedylore":          # its feedback is part of the algorithm
+            return "residual" if method.error_feedback else "none"
+        return method.feedback.name
+    if key in method.feedback.params():
+        return getattr(method.feedback, key)
+    if key == "density" and method.name == "deepreduce":
+        return method._sparsifier.density
+    if key == "nonfinite":
+        return method.nonfinite
+    return getattr(method, key)
+
+
+def test_methods_lists_the_defaults_the_constructors_use(capsys):
+    listed = _listed_methods(capsys)
+    assert sorted(listed) == sorted(registry.available())
+    for name, params in listed.items():
+        built = registry.create(name)
+        for key, value in params.items():
+            if key == "sparsifier_params":
+                continue                          # extra parameters for the sparsifier; none by default
+            assert _actual(built, key) == value, (name, key)
+    # the defaults a placeholder in the signature used to hide
+    assert listed["topk"]["feedback"] == "residual" and listed["oktopk"]["feedback"] == "residual"
+    assert listed["arc_topk"]["feedback"] == "ef21m" and listed["arc_topk"]["eta"] == 0.1
+    assert listed["deepreduce"]["density"] == 0.01
+
+
+def test_methods_table_is_aligned(capsys):
+    assert main(["methods"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    starts = {len(line) - len(line.lstrip()) for line in lines[1::2]}
+    desc = {re.match(r"\S+\s+", line).end() for line in lines[0::2]}
+    assert len(starts) == 1 and desc == starts, (starts, desc)
+
+
+def test_ef14_is_the_residual_feedback():
+    method = hvdc.Compression.topk(density=0.1, feedback="ef14")
+    assert method.feedback.name == "residual"
+    with pytest.raises(ValueError, match="ef14"):
+        hvdc.Compression.topk(feedback="ef15")
+
+
+def test_a_misspelt_parameter_lists_the_valid_names():
+    with pytest.raises(ValueError) as info:
+        hvdc.Compression.topk(densty=0.1)
+    text = str(info.value)
+    assert "densty" in text and "did you mean 'density'" in text
+    assert "'density'" in text and "'feedback'" in text and "'warmup_steps'" in text
+    # the default feedback's own parameters are valid names: eta of ef21m
+    assert hvdc.Compression.arc_topk(eta=0.5).feedback.eta == 0.5
+    with pytest.raises(ValueError, match="eta"):
+        hvdc.Compression.topk(eta=0.5)           # residual feedback takes no eta
+
+
+@pytest.mark.parametrize("call", [
+    lambda: hvdc.Compression.oktopk(k=10.0),
+    lambda: hvdc.Compression.powersgd(rank=4.0),
+    lambda: hvdc.Compression.oktopk(tau=True),
+])
+def test_counts_must_be_integers(call):
+    with pytest.raises(ValueError, match="must be an integer"):
+        call()
+
+
+def test_counts_accept_numpy_integers():
+    import numpy as np
+    assert hvdc.Compression.oktopk(k=np.int64(10)).k == 10
+
+
+@pytest.mark.parametrize("argv", [["model", "--help"], ["cluster", "--help"], ["bench", "e2e", "--help"],
+                                  ["bench", "convergence", "--help"], ["train", "--help"]])
+def test_help_has_no_restructuredtext_markup(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 0
+    text = capsys.readouterr().out
+    assert len(text) > 200
+    assert not re.search(r":[a-z]+:`|``", text), text
+
+
+def test_plain_text_strips_roles_and_literals():
+    assert plain_text(":mod:`horovod_compress.cost_model` and :func:`~a.b.c`") == \
+        "horovod_compress.cost_model and c"
+    assert plain_text(":class:`the base <a.Base>` of ``x``") == "the base of x"
