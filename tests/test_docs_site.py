@@ -20,6 +20,18 @@ def test_site_builds_strict(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     warnings = [line for line in proc.stderr.splitlines() if "WARNING" in line or "ERROR" in line]
     assert proc.returncode == 0, "\n".join(warnings) or proc.stderr[-4000:]
+    # every page is reachable from the navigation
+    assert 'not included in the "nav"' not in proc.stderr, proc.stderr[-4000:]
+    # the site does not ship the source tree
+    for folder in ("horovod_compress", "tests", "scripts"):
+        assert not (tmp_path / folder).exists(), folder
+    assert not list(tmp_path.rglob("*.py")) or all(
+        p.relative_to(tmp_path).parts[0] in ("examples", "benchmarks") for p in tmp_path.rglob("*.py"))
+    # the home page opens with the title, then the two commands in one code block
+    home = (tmp_path / "index.html").read_text()
+    body = home[home.index('<article'):]
+    assert body.index("<h1") < body.index("<pre") < body.index("scripts/demo.sh") \
+        < body.index("scripts/test.sh") < body.index("</pre>")
     # the pages mirror the repository; generated parts are filled in
     methods = (tmp_path / "docs" / "methods" / "index.html").read_text()
     assert "hvdc:methods-table" not in methods and "<code>oktopk</code>" in methods
