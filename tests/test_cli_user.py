@@ -111,3 +111,51 @@ def test_plain_text_strips_roles_and_literals():
     assert plain_text(":mod:`horovod_compress.cost_model` and :func:`~a.b.c`") == \
         "horovod_compress.cost_model and c"
     assert plain_text(":class:`the base <a.Base>` of ``x``") == "the base of x"
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("highlighting, escapes", [(None, False), ("", True)])
+def test_no_stray_escape_codes_under_mpirun(highlighting, escapes):
+    """Under mpirun each rank's stdout is a pseudo-terminal; Numba's error colouring (colorama)
+    used to leave ESC[0m at the end of every rank's output. The control run (the user
+    re-enabling Numba's colours) shows the check sees the escape codes when they are there."""
+    import os
+    import subprocess
+    import sys
+
+    from horovod_compress.testing import mpi_env, mpirun_command
+    env = mpi_env()
+    env.pop("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", None)
+    if highlighting is not None:
+        env["NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING"] = highlighting
+    cmd = mpirun_command(2) + (["-x", "NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING"] if highlighting is not None
+                               else []) + [sys.executable, "-c",
+                                           "import horovod_compress, numba.cpython.listobj; print('ok')"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("ok") == 2
+    assert ("\x1b[" in proc.stdout) is escapes, repr(proc.stdout)
+
+
+def test_docs_state_the_demo_step_time_in_the_unit_it_prints():
+    """``hvdc train`` prints milliseconds per step; README and getting-started say so."""
+    from pathlib import Path
+
+    from horovod_compress.bench.train import format_table
+    row = {"method": "none", "config": {"name": "none"}, "test_accuracy": 0.9, "bytes_sent_per_step": 1024.0,
+           "compression_ratio": 1.0, "seconds_per_step": 0.002}
+    assert "ms/step" in format_table([row])
+    root = Path(__file__).resolve().parents[1]
+    for page in (root / "README.md", root / "docs" / "getting-started.md"):
+        text = " ".join(page.read_text().split())
+        assert "milliseconds per step" in text and " seconds per step" not in text, page.name
+
+
+def test_no_placeholder_repository_url():
+    """Pages do not ask users to clone a placeholder; pyproject names no URL that does not exist."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
+    assert not [p.name for p in pages if re.search(r"<this repository>|git clone <", p.read_text())]
+    assert "[project.urls]" not in (root / "pyproject.toml").read_text()
