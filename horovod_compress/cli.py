@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "train the digits MLP on P ranks with a compression method"),
     "cluster": ("cluster", "emulated cluster: hosts in network namespaces with shaped links"),
     "model": ("model_cmd", "alpha-beta model: step time, speedup, break-even bandwidth per method"),
+    "profile": ("profile_cmd", "profile your own training step for dense and candidate methods"),
 }
 
 #: ``hvdc bench <name>``: name -> (module in horovod_compress.bench, help).
