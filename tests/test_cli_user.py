@@ -159,3 +159,36 @@ def test_no_placeholder_repository_url():
     pages = [root / "README.md", *sorted((root / "docs").rglob("*.md"))]
     assert not [p.name for p in pages if re.search(r"<this repository>|git clone <", p.read_text())]
     assert "[project.urls]" not in (root / "pyproject.toml").read_text()
+
+
+def case_bytes_sent_counts_the_exchange(comm):
+    """One training step after the initial broadcast: the optimizer's ``stats.bytes_sent`` is the
+    gradient exchange alone (a dense ring allreduce of the gradient, 2·4n(P-1)/P), the
+    communicator's ``bytes_sent`` everything, the broadcast included."""
+    import torch
+
+    import horovod_compress.torch as hvdc_torch
+    torch.manual_seed(0)
+    model = torch.nn.Linear(10, 3)
+    opt = hvdc_torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                          named_parameters=model.named_parameters(),
+                                          compression=hvdc.Compression.none(), comm=comm)
+    hvdc_torch.broadcast_parameters(model.state_dict(), root_rank=0, comm=comm)
+    after_broadcast = comm.bytes_sent
+    opt.zero_grad()
+    model(torch.ones(4, 10)).sum().backward()
+    opt.step()
+    n = sum(p.numel() for p in model.parameters())
+    return {"exchange": float(opt.stats.bytes_sent), "total": float(comm.bytes_sent),
+            "broadcast": float(after_broadcast), "dense": 2 * 4 * n * (comm.size - 1) / comm.size,
+            "by_op": comm.stats()["by_op"]}
+
+
+@pytest.mark.mpi
+def test_bytes_sent_of_the_exchange_excludes_the_initial_broadcast():
+    from horovod_compress.testing import run_cases
+    results = run_cases(2, __file__, [case_bytes_sent_counts_the_exchange], timeout=300)
+    for rank, r in results[case_bytes_sent_counts_the_exchange].items():
+        assert r["exchange"] == pytest.approx(r["dense"]), (rank, r["by_op"])
+        assert r["total"] >= r["exchange"] + r["broadcast"] - 1e-9, (rank, r)
+    assert results[case_bytes_sent_counts_the_exchange][0]["broadcast"] > 0   # the root sent the weights

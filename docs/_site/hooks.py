@@ -184,8 +184,11 @@ def _directory_links(markdown: str, page_src: str) -> str:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    """Fill the marker comments described in the module docstring; resolve folder links."""
+    """Fill the marker comments described in the module docstring; resolve folder links. Benchmark
+    pages (wide tables) give the table-of-contents column to their content."""
     markdown = _directory_links(markdown, page.file.src_uri)
+    if page.file.src_uri.startswith("benchmarks/"):
+        page.meta.setdefault("hide", ["toc"])
     if "<!-- hvdc:methods-table -->" in markdown:
         markdown = markdown.replace("<!-- hvdc:methods-table -->", _methods_table())
     if "<!-- hvdc:model-tables -->" in markdown:
