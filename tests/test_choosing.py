@@ -81,3 +81,11 @@ def test_hvdc_model_works_outside_the_repository_and_warns(tmp_path):
     missing = subprocess.run([sys.executable, "-m", "horovod_compress.cli", "model", "--profile", "nope.json"],
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "hvdc profile" in missing.stderr
+
+
+def test_a_variant_s_accuracy_is_its_method_s_only_at_the_defaults():
+    costs = {"powersgd": advice.AccuracyCost("powersgd", -0.5, "cnn", {"cnn": -0.5})}
+    assert advice.cost_of("powersgd", costs).points == -0.5
+    assert advice.cost_of("powersgd(rank=8)", costs).points == -0.5      # rank 8 is the default
+    assert advice.cost_of("powersgd(rank=4)", costs) is None             # not measured
+    assert advice.cost_of("topk", costs) is None

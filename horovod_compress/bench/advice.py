@@ -76,12 +76,30 @@ def _is_default(run: Mapping[str, Any]) -> bool:
     return run.get("feedback", default) == default
 
 
+def cost_of(label: str, costs: Mapping[str, AccuracyCost]) -> AccuracyCost | None:
+    """The accuracy cost of a profile's ``label`` (``name`` or ``name(k=v,...)``): the method's
+    own where every parameter in the label is its default, ``None`` (not measured) otherwise."""
+    name, _, rest = label.partition("(")
+    cost = costs.get(name)
+    if cost is None or not rest:
+        return cost
+    try:
+        own = defaults(name)
+    except UnknownMethodError:
+        return None
+    for item in rest.rstrip(")").split(","):
+        key, _, value = item.partition("=")
+        if key not in own or str(own[key]) != value:
+            return None
+    return cost
+
+
 def recommend(speedups: Mapping[str, float], costs: Mapping[str, AccuracyCost],
               budget: float = ACCURACY_BUDGET) -> str:
     """The rule of the module docstring: the fastest method within ``budget`` points, else dense."""
     best, best_speed = "none", 1.0
     for method, s in speedups.items():
-        cost = costs.get(method)
+        cost = cost_of(method, costs)
         if method == "none" or cost is None or cost.points < -budget:
             continue
         if s > best_speed:
@@ -93,7 +111,7 @@ def warnings_for(methods: Iterable[str], costs: Mapping[str, AccuracyCost]) -> l
     """One line per method that needs another learning rate than dense, or has no accuracy data."""
     lines = []
     for m in methods:
-        cost = costs.get(m)
+        cost = cost_of(m, costs)
         if cost is None:
             if m != "none":
                 lines.append(f"{m}: not in the convergence study; its accuracy cost is unknown")

@@ -85,7 +85,7 @@ def render_page(run: Mapping[str, Any], costs: Mapping[str, advice.AccuracyCost]
         lines.append("|---|---:|" + "---:|" * len(RANKS))
         order = sorted(profiles, key=lambda m: -speeds[RANKS[-1]][m])
         for label in order:
-            cost = costs.get(label)
+            cost = advice.cost_of(label, costs)
             acc = "n/a" if cost is None else f"{cost.points:+.2f}"
             if cost is not None and cost.needs_other_learning_rate:
                 acc += " (needs another learning rate)"

@@ -158,7 +158,7 @@ def render(profiles: dict[str, Any], net: Any, ranks: list[int], source: str,
             be = "-" if label == "none" else _bw(break_even_bandwidth(prof, dense, net, p))
             speeds[p][label] = speedup(prof, dense, net, p)
             cells.append(f"{pr.step_s:.3f} ({speeds[p][label]:.2f}x), {be}")
-        cost = costs.get(label.split("(")[0])
+        cost = advice.cost_of(label, costs)
         acc = "n/a" if cost is None else f"{cost.points:+.2f}" + (" (!)" if cost.needs_other_learning_rate else "")
         lines.append(f"| {label} | {acc} | " + " | ".join(cells) + " |")
     if costs:
