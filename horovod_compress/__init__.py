@@ -6,9 +6,16 @@ comm)``) and through the PyTorch (:mod:`horovod_compress.torch`) and
 TensorFlow/Keras front-ends. Importing this package does not start MPI;
 ``Communicator`` (which does) is imported on first use.
 """
+import os
 from typing import Any
 
-from .compressors import Compression, Method
+# Numba colours its error messages with colorama when colorama is installed, and colorama's
+# exit handler then writes ESC[0m to stdout whenever stdout is a terminal -- which it is in
+# every rank under mpirun (a pseudo-terminal), so piped or logged output ended in stray
+# escape codes. Set before any module of ours imports Numba; a value the user set is kept.
+os.environ.setdefault("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", "1")
+
+from .compressors import Compression, Method  # noqa: E402  (after the environment above)
 
 __version__ = "0.1.0"
 __all__ = ["Compression", "Communicator", "Method", "__version__"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from typing import Sequence
 
@@ -23,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "train the digits MLP on P ranks with a compression method"),
     "cluster": ("cluster", "emulated cluster: hosts in network namespaces with shaped links"),
     "model": ("model_cmd", "alpha-beta model: step time, speedup, break-even bandwidth per method"),
+    "profile": ("profile_cmd", "profile your own training step for dense and candidate methods"),
 }
 
 #: ``hvdc bench <name>``: name -> (module in horovod_compress.bench, help).
@@ -47,6 +49,38 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "tf_bridge": ("tf_bridge", "cost of the TensorFlow <-> NumPy bridge per step"),
     "volume": ("volume", "bytes per rank per step of the sparse allreduces vs P"),
 }
+
+
+_ROLE = re.compile(r":(?:[a-z]+:)?[a-z]+:`~?([^`<]*?)(?:\s*<[^>]*>)?`")
+_LITERAL = re.compile(r"``([^`]+)``")
+
+
+def plain_text(text: str | None) -> str | None:
+    """``text`` (a docstring used as help) without reStructuredText markup.
+
+    ``:mod:`horovod_compress.cost_model``` -> ``horovod_compress.cost_model``
+    (``~a.b`` -> ``b``, ``title <target>`` -> ``title``) and ````x```` -> ``x``,
+    so that ``hvdc <command> --help`` reads as plain text in a terminal.
+    """
+    if text is None:
+        return None
+
+    def role(m: re.Match) -> str:
+        target = m.group(1).strip()
+        return target.rsplit(".", 1)[-1] if m.group(0).split("`", 1)[1].startswith("~") else target
+    return _LITERAL.sub(r"\1", _ROLE.sub(role, text))
+
+
+def _plain_help(parser: argparse.ArgumentParser) -> None:
+    """Strip reStructuredText markup from ``parser``'s description and its arguments' help."""
+    parser.description = plain_text(parser.description)
+    parser.epilog = plain_text(parser.epilog)
+    for action in parser._actions:
+        if isinstance(action.help, str):
+            action.help = plain_text(action.help)
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _plain_help(child)
 
 
 def _bench_module(module: str) -> object:
@@ -86,20 +120,19 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
             _bench_module(module).register_bench(bench_sub)  # type: ignore[attr-defined]
         else:
             bench_sub.add_parser(name, help=text)
+    _plain_help(parser)
     return parser
 
 
 def _list_methods(args: argparse.Namespace) -> int:
-    import inspect
-
+    """Print every method, its one-line description and its parameters with their true defaults."""
     from .compressors import registry
-    for name in registry.available():
-        cls = registry.method_class(name)
-        sig = inspect.signature(cls.__init__)
-        params = ", ".join(f"{p.name}={p.default!r}" for p in sig.parameters.values()
-                           if p.default is not inspect.Parameter.empty)
-        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
-        print(f"{name:12s} {doc}\n{'':12s} ({params})")
+    names = registry.available()
+    width = max(len(n) for n in names) + 2
+    for name in names:
+        doc = (plain_text(registry.method_class(name).__doc__) or "").strip().splitlines()
+        params = ", ".join(f"{key}={value!r}" for key, value in registry.defaults(name).items())
+        print(f"{name:<{width}}{doc[0] if doc else ''}\n{'':<{width}}({params})")
     return 0
 
 

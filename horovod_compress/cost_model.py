@@ -187,6 +187,7 @@ PRESETS: dict[str, Network] = {
     "shm": Network("shared memory", 1e-6, 80e9, "one node, MPI over shared memory (~10 GB/s)"),
     "1gbe": Network("1 GbE", 50e-6, 1e9, "TCP over 1 Gbit Ethernet"),
     "10gbe": Network("10 GbE", 20e-6, 10e9, "TCP over 10 Gbit Ethernet"),
+    "25gbe": Network("25 GbE", 10e-6, 25e9, "TCP over 25 Gbit Ethernet"),
     "100gbe": Network("100 GbE", 5e-6, 100e9, "RoCE over 100 Gbit Ethernet"),
     "ib100": Network("100 Gb InfiniBand", 1.5e-6, 100e9, "EDR InfiniBand, RDMA"),
     "aries": Network("Cray Aries", 1.3e-6, 80e9, "Cray XC (Piz Daint) dragonfly, ~10 GB/s injection"),

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any, Iterable
 
+import numpy as np
+
 
 def check_float(method: str, name: str, value: Any, low: float | None = None,
                 high: float | None = None, *, low_open: bool = False,
@@ -30,17 +32,15 @@ def check_float(method: str, name: str, value: Any, low: float | None = None,
 
 def check_int(method: str, name: str, value: Any, low: int | None = None,
               high: int | None = None) -> int:
-    """Return ``value`` as int, or raise if it is not an integer in ``[low, high]``."""
-    if isinstance(value, bool) or not isinstance(value, (int,)) and not (
-            isinstance(value, float) and value.is_integer()):
-        try:
-            import numpy as np
-            if isinstance(value, np.integer):
-                value = int(value)
-            else:
-                raise TypeError
-        except TypeError:
-            raise ValueError(f"{method}: {name} must be an integer, got {value!r}") from None
+    """Return ``value`` as int, or raise if it is not an integer in ``[low, high]``.
+
+    Only integers are accepted (Python ``int`` or a NumPy integer): a float such
+    as ``10.0`` is refused, since a count given as a float is most often a
+    density or a ratio passed to the wrong parameter.
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{method}: {name} must be an integer, got {value!r}"
+                         + (" (a float; pass an int)" if isinstance(value, float) else ""))
     v = int(value)
     if (low is not None and v < low) or (high is not None and v > high):
         lo = "-inf" if low is None else low

@@ -351,7 +351,8 @@ def test_bench_e2e_writes_its_tables(tmp_path):
             if line.startswith("| ") and "method" not in line}
     assert set(rows) == {"none", "topk", "oktopk"}
     assert "(1.00x), -" in rows["none"]
-    cells = [c.strip() for c in rows["oktopk"].split("|")[2:-1]]
+    accuracy, *cells = [c.strip() for c in rows["oktopk"].split("|")[2:-1]]
+    assert accuracy.startswith(("+", "-"))          # the convergence study's points against dense
     assert len(cells) == 2 and all(c.endswith(("Gbit/s", "any", "never")) for c in cells), cells
     assert (out / "model.png").stat().st_size > 1000
     # --rerender analyses the same measurements again (no cluster) and says so under the header

@@ -20,6 +20,18 @@ def test_site_builds_strict(tmp_path):
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     warnings = [line for line in proc.stderr.splitlines() if "WARNING" in line or "ERROR" in line]
     assert proc.returncode == 0, "\n".join(warnings) or proc.stderr[-4000:]
+    # every page is reachable from the navigation
+    assert 'not included in the "nav"' not in proc.stderr, proc.stderr[-4000:]
+    # the site does not ship the source tree
+    for folder in ("horovod_compress", "tests", "scripts"):
+        assert not (tmp_path / folder).exists(), folder
+    assert not list(tmp_path.rglob("*.py")) or all(
+        p.relative_to(tmp_path).parts[0] in ("examples", "benchmarks") for p in tmp_path.rglob("*.py"))
+    # the home page opens with the title, then the two commands in one code block
+    home = (tmp_path / "index.html").read_text()
+    body = home[home.index('<article'):]
+    assert body.index("<h1") < body.index("<pre") < body.index("scripts/demo.sh") \
+        < body.index("scripts/test.sh") < body.index("</pre>")
     # the pages mirror the repository; generated parts are filled in
     methods = (tmp_path / "docs" / "methods" / "index.html").read_text()
     assert "hvdc:methods-table" not in methods and "<code>oktopk</code>" in methods
@@ -48,3 +60,23 @@ def test_docstring_check_sees_a_missing_docstring(tmp_path):
         assert hooks.missing_docstrings("demo_pkg") == ["demo_pkg.undocumented"]
     finally:
         hooks.ROOT = old
+
+
+def test_screenshots_of_the_key_pages(tmp_path):
+    """scripts/screenshots.sh renders home, getting started, choosing, a method page and a
+    benchmark page in headless Chromium at 1400 px (skipped where Chromium is not installed)."""
+    import shutil
+    import struct
+    if not (shutil.which("chromium") or shutil.which("chromium-browser")):
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1", PYTHON=sys.executable)
+    proc = subprocess.run(["bash", "scripts/screenshots.sh", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = {"home", "getting-started", "choosing", "method-oktopk", "benchmark-convergence"}
+    assert {p.stem for p in tmp_path.glob("*.png")} == names
+    for png in tmp_path.glob("*.png"):
+        head = png.read_bytes()[:24]
+        assert head[:8] == b"\x89PNG\r\n\x1a\n", png.name
+        width, height = struct.unpack(">II", head[16:24])
+        assert width == 1400 and height >= 1800 and png.stat().st_size > 50_000, (png.name, width, height)

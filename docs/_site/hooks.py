@@ -5,9 +5,10 @@
    ``examples/`` and ``README.md`` (the home page) where they are. Relative
    links written for reading the Markdown on a forge therefore work in the site
    unchanged, and ``mkdocs build --strict`` fails on a link to a file that does
-   not exist. Source files (``horovod_compress/``, ``scripts/``, ``tests/``)
-   are copied as-is so that links to them resolve too; a link to a folder
-   (``docs/methods/``) goes to its ``index.md`` or ``README.md``.
+   not exist. The source tree (``horovod_compress/``, ``scripts/``,
+   ``tests/``) is not part of the site: pages name source files in code
+   spans, not links. A link to a folder (``docs/methods/``) goes to its
+   ``index.md`` or ``README.md``.
 2. Every public module, class and function of the library must have a
    docstring (its own, or the one of the base-class method it overrides): a
    missing one is logged as a warning, which ``--strict`` turns into an error.
@@ -33,10 +34,9 @@ from mkdocs.structure.files import File, Files
 log = logging.getLogger("mkdocs.hooks.hvdc")
 
 ROOT = Path(__file__).resolve().parents[2]
-# Top-level folders whose Markdown files are site pages, and folders copied as plain files.
+# Top-level folders whose files are site pages (Markdown) or their plots and data.
 PAGE_DIRS = ("docs", "benchmarks", "examples")
-COPY_DIRS = ("horovod_compress", "scripts", "tests")
-TOP_FILES = ("README.md", "pyproject.toml", "Makefile")
+TOP_FILES = ("README.md",)
 SKIP_PARTS = {"__pycache__", "_site", ".ipynb_checkpoints"}
 SKIP_SUFFIXES = {".pyc", ".so", ".o"}
 # Not part of the API reference (see the module docstring).
@@ -73,10 +73,6 @@ def on_files(files: Files, config) -> Files:
     for top in PAGE_DIRS:
         for path in _walk(ROOT / top):
             add(path)
-    for top in COPY_DIRS:
-        for path in _walk(ROOT / top):
-            if path.suffix != ".md":       # Markdown there is not a site page
-                add(path)
     return out
 
 
@@ -145,8 +141,7 @@ def _methods_table() -> str:
         cls = registry.method_class(name)
         doc = (inspect.getdoc(cls) or "").strip().splitlines()
         first = doc[0] if doc else ""
-        params = [f"`{p.name}={p.default!r}`" for p in inspect.signature(cls.__init__).parameters.values()
-                  if p.default is not inspect.Parameter.empty]
+        params = [f"`{key}={value!r}`" for key, value in registry.defaults(name).items()]
         rows.append(f"| `{name}` | {first.replace('|', '/')} | {', '.join(params).replace('|', '/')} |")
     return "\n".join(rows)
 
@@ -189,8 +184,11 @@ def _directory_links(markdown: str, page_src: str) -> str:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    """Fill the marker comments described in the module docstring; resolve folder links."""
+    """Fill the marker comments described in the module docstring; resolve folder links. Benchmark
+    pages (wide tables) give the table-of-contents column to their content."""
     markdown = _directory_links(markdown, page.file.src_uri)
+    if page.file.src_uri.startswith("benchmarks/"):
+        page.meta.setdefault("hide", ["toc"])
     if "<!-- hvdc:methods-table -->" in markdown:
         markdown = markdown.replace("<!-- hvdc:methods-table -->", _methods_table())
     if "<!-- hvdc:model-tables -->" in markdown:

@@ -18,7 +18,10 @@ Markdown page the benchmark wrote gets a provenance footer with the same
 facts. Then ``README.md`` of the output folder -- the index of the results
 pages with their plots, a page of the documentation site -- is regenerated,
 and, when ``e2e.json`` is there, the alpha-beta model's tables
-(``model_<network>.md``) for the networks the site's "which method" page shows.
+(``model_<network>.md``); when the output folder is the repository's
+``benchmarks/``, the generated "which method" page (``docs/choosing.md``) and
+the reference data shipped with the package are regenerated too
+(:mod:`.choosing`).
 A benchmark whose prerequisites are missing (root for the emulated cluster, a
 GPU) fails on its own and the others still run; the exit code is 1 when any
 failed.
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import choosing
 from .machine import cpu_model
 
 PROVENANCE_MARK = "<!-- hvdc:provenance -->"
@@ -310,6 +314,8 @@ def run(args: argparse.Namespace) -> int:
             return 0
         for page in write_model_tables(out, base):
             print(f"model table: {page}", flush=True)
+        if out.resolve() == choosing.E2E_JSON.parent.resolve():
+            choosing.main([])          # docs/choosing.md and the shipped reference data
     record_path.write_text(json.dumps(record, indent=1))
     index = write_index(out, record)
     print(f"wrote {index} and {record_path}", flush=True)

@@ -31,7 +31,7 @@ barrier before every timed call; a call's time is the slowest rank's, its
 compute the largest over ranks, each the median of ``--repeat`` calls after
 ``--warmup`` untimed ones.
 
-Written: ``<out>.md`` (the table at every P, targets of issue 21 at P = 2),
+Written: ``<out>.md`` (the table at every P, the speed targets at P = 2),
 ``<out>.json`` and ``<out>.png`` (cost as a multiple of the dense allreduce).
 """
 from __future__ import annotations

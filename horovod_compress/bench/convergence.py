@@ -307,7 +307,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     tasks = sorted({r["task"] for r in rows}, key=list(TASKS).index)
-    fig, axes = plt.subplots(1, len(tasks), figsize=(7 * len(tasks), 6.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6.5 * len(tasks), 7.5), squeeze=False)
     methods = sorted({r["method"] for r in rows})
     colors = {m: plt.cm.tab20(i % 20) for i, m in enumerate(methods)}
     markers = "osD^v<>phX*P8"
@@ -316,14 +316,14 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
             i = methods.index(r["method"])
             ax.errorbar(r["bytes"] / 1024, r["acc_mean"], yerr=r["acc_std"], fmt=markers[i % len(markers)],
                         color=colors[r["method"]], mfc=colors[r["method"]] if r["ef"] else "none",
-                        markersize=7, capsize=2,
+                        markersize=9, capsize=2,
                         label=r["method"] + (" (no EF)" if not r["ef"] and _takes_ef(r, rows) else ""))
         ax.set_xscale("log")
-        ax.set_xlabel("KiB sent per rank per step")
-        ax.set_ylabel("test accuracy (%)")
+        ax.set_xlabel("KiB sent per rank per step", fontsize=12)
+        ax.set_ylabel("test accuracy (%)", fontsize=12)
         r0 = next(r for r in rows if r["task"] == task)
         ax.set_title(f"digits {task.upper()}, {r0['world_size']} ranks, {r0['epochs']} epochs, "
-                     f"{r0['n']} seed(s); hollow = no error feedback", fontsize=9)
+                     f"{r0['n']} seed(s); hollow = no error feedback", fontsize=12)
         ax.grid(True, which="both", alpha=0.3)
         lo = min(r["acc_mean"] for r in rows if r["task"] == task)
         ax.set_ylim(max(0, min(lo - 2, 85)), 100)
@@ -331,8 +331,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> Path:
     seen = {}
     for h, lab in zip(handles, labels):
         seen.setdefault(lab, h)
-    fig.legend(seen.values(), seen.keys(), loc="lower center", ncol=6, fontsize=8)
-    fig.tight_layout(rect=(0, 0.2, 1, 1))
+    # a legend readable when the page scales the figure to its text width (~900 px)
+    fig.legend(seen.values(), seen.keys(), loc="lower center", ncol=5, fontsize=12, markerscale=1.2)
+    fig.tight_layout(rect=(0, 0.3, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

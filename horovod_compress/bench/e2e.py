@@ -579,7 +579,7 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
               "after a burst of CPU work that leaves the links idle as a step's "
               "compute does (runs that record it), against the nominal rate (effective Gbit/s = bytes moved per "
               "rank x 8 / time; time = the median over repeats of the mean over ranks, as a step's comm time is "
-              "taken, in runs that record it, else of the slowest rank; runs since 2026-11-28 22:30 UTC pool "
+              "taken, in runs that record it, else of the slowest rank; runs made with --rounds pool "
               "the samples of a probe pass before each round and one after the last); alpha = small-message "
               "time per latency round; '-': not probed in that run.", "",
               "| P | link | " + " | ".join(f"{op} Gbit/s" for op in LINK_COLUMNS) + " | alpha allreduce (us) |",

@@ -42,7 +42,8 @@ import numpy as np
 
 from ..cost_model import ONE_WAY
 from .e2e_calls import PROBE_REPEATS, RING_OP, RingTransport
-from .e2e_models import build_model, synthetic_batch
+from .e2e_models import build_model
+from .workload import Workload, named_workload
 
 PROBE_SMALL = 8
 PROBE_LARGE = 16 * 1024 * 1024
@@ -337,10 +338,11 @@ class _ExchangeClock:
     def reset(self) -> None:
         self.wall = self.cpu = 0.0
 
-def measure_method(name: str, params: dict[str, Any], model_name: str, comm: Any, steps: int,
+def measure_method(name: str, params: dict[str, Any], model_name: str | Workload, comm: Any, steps: int,
                    warm: int, seed: int, first_batch: int = 0) -> tuple[Any, list[dict[str, Any]]]:
     """Train ``warm + steps`` steps with a fresh method ``name`` and model; (the method, one record
-    per measured step). The batches are those of steps ``first_batch``, ``first_batch + 1``, ..."""
+    per measured step). The batches are those of steps ``first_batch``, ``first_batch + 1``, ...
+    ``model_name``: one of the benchmark models, or a :class:`~.workload.Workload`."""
     import torch
 
     from ..compressors.registry import create
@@ -349,8 +351,9 @@ def measure_method(name: str, params: dict[str, Any], model_name: str, comm: Any
     if getattr(method, "warmup_steps", 0) and "warmup_steps" not in params:
         # warm-up steps are dense steps (the dense column): measure the method itself
         method = create(name, **{**params, "warmup_steps": 0})
+    workload = model_name if isinstance(model_name, Workload) else named_workload(model_name)
     torch.manual_seed(seed)
-    model = build_model(model_name)
+    model = workload.model()
     base = torch.optim.SGD(model.parameters(), lr=1e-3)
     opt = DistributedOptimizer(base, named_parameters=model.named_parameters(), compression=method,
                                overlap=False, comm=comm)
@@ -358,23 +361,23 @@ def measure_method(name: str, params: dict[str, Any], model_name: str, comm: Any
     ring = RingTransport()
     records: list[dict[str, Any]] = []
     with ring.installed():
-        _steps(comm, model, model_name, opt, clock, ring, warm, steps, records, first_batch)
+        _steps(comm, model, workload, opt, clock, ring, warm, steps, records, first_batch)
     opt.close()
     return method, records
 
 
-def _steps(comm: Any, model: Any, model_name: str, opt: Any, clock: "_ExchangeClock", ring: RingTransport,
+def _steps(comm: Any, model: Any, workload: Workload, opt: Any, clock: "_ExchangeClock", ring: RingTransport,
            warm: int, steps: int, records: list[dict[str, Any]], first_batch: int = 0) -> None:
     """Run ``warm + steps`` training steps; append the measured ones' parts to ``records``."""
     for step in range(warm + steps):
-        x, y = synthetic_batch(model_name, comm.rank, first_batch + step)
+        x, y = workload.step_batch(comm.rank, first_batch + step)
         comm.barrier()
         comm.reset_stats()
         clock.reset()
         ring.reset()
         t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad()
-        loss = model.loss(x, y)
+        loss = workload.loss(model, x, y)
         loss.backward()
         opt.step()
         total, cpu = time.perf_counter() - t0, time.process_time() - c0

@@ -1,6 +1,6 @@
 """``hvdc bench hot_path``: one compressed allreduce per method against a memcpy and a dense allreduce.
 
-Issue 21's measurement: a 2000x2000 float32 gradient, ``--np`` ranks on shared
+The measurement: a 2000x2000 float32 gradient, ``--np`` ranks on shared
 memory, one thread per rank (``OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1`` are
 set for the ranks), median of ``--repeat`` timed calls after ``--warmup``
 untimed ones. In the same run it times a memcpy of the gradient
@@ -27,7 +27,7 @@ DEFAULT_METHODS = ("topk:density=0.01,gaussiank:density=0.01,topk_dsa:density=0.
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("hot_path", help="ms of one compressed allreduce vs memcpy and dense (issue 21)")
+    p = sub.add_parser("hot_path", help="ms of one compressed allreduce vs memcpy and dense")
     p.add_argument("--np", type=int, default=2)
     p.add_argument("--shape", default="2000x2000")
     p.add_argument("--methods", default=DEFAULT_METHODS,

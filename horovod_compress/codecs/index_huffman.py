@@ -16,7 +16,7 @@ code length of each class that occurs. Payload::
 
     varint number_of_classes | (u8 class, u8 code length) * number_of_classes | bit stream
 
-CPU cost (issue 21; 40 000 indices of n = 4M, Top-k 1 %, one thread): encoding
+CPU cost (40 000 indices of n = 4M, Top-k 1 %, one thread): encoding
 is two compiled passes over the indices -- the class counts with each class's
 first occurrence (:func:`_class_stats`, so the frequency table handed to
 dahuffman is the one ``collections.Counter`` built before, in the same order;

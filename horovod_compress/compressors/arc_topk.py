@@ -41,7 +41,7 @@ tensors" and leaves the rest open; we decide as follows):
 The paper starts compressing after 1000 dense iterations; pass
 ``warmup_steps=1000`` for that (default 0, as for every method here).
 
-Cost on CPU (issue 21; 2000 x 2000 float32, P = 1, one thread, default
+Cost on CPU (2000 x 2000 float32, P = 1, one thread, default
 parameters: K = 400 rows, r = 4, EF21M). Under EF21 / EF21M a NumPy
 gradient takes :meth:`ArcTopK._reduce_ef21`, three compiled passes
 (:mod:`horovod_compress.kernels.arc_fused`): (11a), the local sketch and the

@@ -36,7 +36,7 @@ density 1 % on real gradients, Bloom P2 (fpr 0.001) makes c_j 0.74 of the 8k
 bytes of raw (index, value) pairs, P0 0.81, P2 + polyfit 0.49 (measured,
 docs/methods/deepreduce.md); ``expected_bytes`` is None (data-dependent).
 
-CPU hot path (issue 21), default configuration (Top-k 1 %, Huffman + raw,
+CPU hot path, default configuration (Top-k 1 %, Huffman + raw,
 EF14), float32 NumPy input, one thread:
 
 * EF14 + Top-k in one read of x and e (:meth:`_reduce_residual`, TopkA's

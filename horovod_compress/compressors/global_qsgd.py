@@ -52,7 +52,7 @@ word of payload byte i = :func:`~horovod_compress.kernels.exp_reduce.lane_word`
 of the rank's reduce stream), quantization of the next blocks and
 dequantization of finished ones run while segments are on the wire.
 
-Cost on the CPU (issues 15 and 21). NumPy gradients are quantized at 8 bits by
+Cost on the CPU. NumPy gradients are quantized at 8 bits by
 :func:`~horovod_compress.kernels.qsgd_fused.exp8_quantize_range`: element i is
 rounded by :func:`~horovod_compress.kernels.quantize.exp_code` with the word
 :func:`~horovod_compress.kernels.qsgd_fused.exp8_word` (key, i), whose top 16
@@ -602,7 +602,7 @@ class GlobalQSGD(Method):
         ``local`` is read by the feedback scheme within the same call (EF14's
         ``e = acc - local``, EF21's ``g += c``) and then dropped, so one buffer
         per tensor saves an n-element allocation and its page faults per step
-        (issue 21). Not part of the checkpointed state.
+        Not part of the checkpointed state.
         """
         bufs = self.__dict__.setdefault("_local_buffers", {})
         buf = bufs.get(name)

@@ -48,7 +48,7 @@ paper's Section 4 and ``powerSGD_hook`` pack them; no collective and no
 thread per tensor. Both paths run the same kernels, so they agree bit for bit
 on 2 ranks.
 
-Cost on CPU (issue 21). A step touches the ``m x n`` matrix in three passes
+Cost on CPU. A step touches the ``m x n`` matrix in three passes
 (:mod:`horovod_compress.kernels.powersgd`), the fewest the algorithm allows:
 ``M^T P`` needs ``P = orth(sum_i M_i Q)``, so a collective separates it from
 ``M Q``, and the estimate needs the averaged ``Q``, so another separates it

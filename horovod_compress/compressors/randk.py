@@ -71,7 +71,7 @@ class RandK(DensitySparsifier):
         scale = flat.dtype.type(flat.size / max(idx.size, 1)) if self.unbiased else None
         avg = xp.zeros_like(flat)
         avg[idx] = vals * scale if scale is not None else vals
-        if xp is np and scale is None:   # reused buffer, O(k) per step (issue 21)
+        if xp is np and scale is None:   # reused buffer, O(k) per step
             local = sparse_local(self, name, flat.size, flat.dtype, idx, flat)
         else:
             local = xp.zeros_like(flat)

@@ -7,8 +7,11 @@ unknown or out-of-range parameters raise ``ValueError`` naming them.
 """
 from __future__ import annotations
 
+import difflib
 import inspect
 from typing import Any
+
+from ..feedback import feedback_parameters
 
 _METHODS: dict[str, type] = {}
 
@@ -74,10 +77,13 @@ def create(name: str, *args: Any, **params: Any) -> Any:
     allowed = [p for p in sig.parameters if p not in ("self",) and
                sig.parameters[p].kind in (inspect.Parameter.KEYWORD_ONLY,
                                           inspect.Parameter.POSITIONAL_OR_KEYWORD)]
-    if not accepts_any:
-        for key in params:
-            if key not in allowed:
-                raise ValueError(f"{name}: unknown parameter {key!r}; allowed: {sorted(allowed)}")
+    if accepts_any:   # the extra keywords are the feedback scheme's parameters (eta, ...)
+        allowed += feedback_parameters(params.get("feedback") or cls.default_feedback)
+    for key in params:
+        if key not in allowed:
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"{name}: unknown parameter {key!r}{hint}; allowed: {sorted(allowed)}")
     try:
         method = cls(**params)
     except TypeError as exc:
@@ -85,6 +91,39 @@ def create(name: str, *args: Any, **params: Any) -> Any:
     if nonfinite is not None:
         method.set_nonfinite(nonfinite)
     return method
+
+
+def defaults(name: str) -> dict[str, Any]:
+    """Every parameter of method ``name`` with the value a call without it uses.
+
+    The constructors are the one source of truth: a parameter whose signature
+    default is a placeholder (``feedback=None`` -> the class's
+    ``default_feedback``; ``density=None`` of DeepReduce -> its sparsifier's)
+    is read back from a method built with no arguments (:meth:`Method.config`),
+    and the default feedback scheme's own parameters (``eta`` of ``ef21m``)
+    are listed too. ``hvdc methods`` and the documentation's parameter table
+    print this.
+    """
+    cls = method_class(name)
+    built = create(name)
+    config = built.config()
+    nested = config.get("sparsifier_params") or {}
+    out: dict[str, Any] = {}
+    for param in inspect.signature(cls.__init__).parameters.values():
+        if param.default is inspect.Parameter.empty or param.kind is param.VAR_KEYWORD:
+            continue
+        value = param.default
+        if value is None:   # a placeholder: the value the method chose (not a nested dict)
+            if isinstance(config.get(param.name), (str, int, float, bool)):
+                value = config[param.name]
+            elif param.name in nested:
+                value = nested[param.name]
+            elif isinstance(getattr(built, param.name, None), (str, int, float, bool)):
+                value = getattr(built, param.name)
+        out[param.name] = value
+    for key, value in built.feedback.params().items():
+        out.setdefault(key, value)
+    return out
 
 
 class MethodFactory:

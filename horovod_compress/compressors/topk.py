@@ -10,7 +10,7 @@ Volume per rank: 2k(P-1) words received (and sent, ring allgather), which
 grows linearly with P -- the problem Ok-Topk solves. Biased, so the default
 feedback is ``residual`` (EF14): what was not sent stays in e_i.
 
-CPU hot path (issue 21): the exact top-k (above the k-th largest ``|x_i|``,
+CPU hot path: the exact top-k (above the k-th largest ``|x_i|``,
 then the first ties) in one read of x_i -- a sampled lower bound on the
 threshold, the few entries above it collected, the exact threshold found
 among them -- written straight into the two halves of the COO message, a compiled

@@ -6,10 +6,12 @@ them all, so a new scheme is one new module.
 import importlib
 import pkgutil
 
-from .base import Feedback, available_feedback, make_feedback, register_feedback
+from .base import (ALIASES, Feedback, available_feedback, feedback_parameters, make_feedback,
+                   register_feedback)
 
 for _mod in pkgutil.iter_modules(__path__):
     if _mod.name != "base":
         importlib.import_module(f"{__name__}.{_mod.name}")
 
-__all__ = ["Feedback", "available_feedback", "make_feedback", "register_feedback"]
+__all__ = ["ALIASES", "Feedback", "available_feedback", "feedback_parameters", "make_feedback",
+           "register_feedback"]

@@ -15,6 +15,11 @@ import numpy as np
 
 _REGISTRY: dict[str, Callable[..., "Feedback"]] = {}
 
+#: Other names of the registered schemes, as the literature writes them: residual
+#: feedback is EF14 (Seide et al., "1-bit stochastic gradient descent and its
+#: application to data-parallel distributed training of speech DNNs", 2014).
+ALIASES: dict[str, str] = {"ef14": "residual"}
+
 
 def register_feedback(cls: type["Feedback"]) -> type["Feedback"]:
     """Class decorator: make a scheme available as ``feedback=<cls.name>``."""
@@ -27,12 +32,25 @@ def available_feedback() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def feedback_parameters(name: str) -> list[str]:
+    """The parameter names scheme ``name`` (or its alias) takes, e.g. ``["eta"]`` for ``ef21m``;
+    ``[]`` for an unknown name (:func:`make_feedback` reports that one)."""
+    cls = _REGISTRY.get(ALIASES.get(name, name) if isinstance(name, str) else name)
+    if cls is None:
+        return []
+    return [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "method")]
+
+
 def make_feedback(method: str, name: str, **params: Any) -> "Feedback":
-    """Build feedback scheme ``name``; ``ValueError`` names a bad scheme or parameter."""
+    """Build feedback scheme ``name`` (or an alias in :data:`ALIASES`, e.g. ``"ef14"``);
+    ``ValueError`` names a bad scheme or parameter."""
+    name = ALIASES.get(name, name) if isinstance(name, str) else name
     if name not in _REGISTRY:
-        raise ValueError(f"{method}: feedback must be one of {available_feedback()}, got {name!r}")
+        aliases = ", ".join(f"{a!r} for {n!r}" for a, n in ALIASES.items())
+        raise ValueError(f"{method}: feedback must be one of {available_feedback()} "
+                         f"(aliases: {aliases}), got {name!r}")
     cls = _REGISTRY[name]
-    allowed = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "method")]
+    allowed = feedback_parameters(name)
     for key in params:
         if key not in allowed:
             hint = f" (feedback {name!r} takes {allowed})" if allowed else ""

@@ -19,7 +19,7 @@ times ``d_scale``: one correctly rounded product); 4-bit codes are packed as
 :func:`.quantize.pack_nibbles` does (element 2j in the low nibble). The tests
 check all three equalities.
 
-8-bit codes at memory speed (issues 15 and 21): :func:`exp8_quantize_range`,
+8-bit codes at memory speed: :func:`exp8_quantize_range`,
 what ``global_qsgd`` runs on NumPy arrays. The rounding decision of
 :func:`.quantize.exp_code` -- up iff W < 2 mant(A), W the top 53 bits of a
 uniform 64-bit word, A = |x| scale in float64 -- is settled by the top 16 bits of

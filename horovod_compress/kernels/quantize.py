@@ -308,7 +308,7 @@ def exp_dequantize_into(codes: np.ndarray, scale: float, sign_shift: int,
     e <= 1022) and multiplied by ``scale``: one correctly rounded product,
     i.e. ``ldexp(scale, -e)`` bit for bit (the GPU kernel's table), but
     branch-free and without a per-element table gather, so LLVM vectorises
-    the loop (issue 21: 4x faster than the 256-entry lookup on AVX-512).
+    the loop (4x faster than the 256-entry lookup on AVX-512).
     """
     cmask = (2 << sign_shift) - 1
     emask = (1 << sign_shift) - 1

@@ -20,7 +20,7 @@ and is counted as one allreduce of N bytes.
 :func:`ring_reduce_once` is the same reduce-scatter + allgather as a ring on
 point-to-point segments, with the operator's kernel called directly and the
 caller's quantization / dequantization filling the waits (Global-QSGD's
-8-bit exponential path for large payloads; issue 15).
+8-bit exponential path for large payloads).
 
 Operators are created lazily, once per process, and cached. MPI calls an
 operator on the thread that entered the collective; a lock serialises the
@@ -91,7 +91,7 @@ def _exp_apply(bits: int, inbuf: Any, inoutbuf: Any) -> None:
     counter = np.uint64(_STREAM.counter)
     # A separate output lets LLVM vectorise the loop (in place it is ~4x slower); then copy.
     # The output is a per-thread scratch buffer reused across calls: a fresh one per call
-    # costs a page fault per 4 KiB, about as much as the reduction itself (issue 21).
+    # costs a page fault per 4 KiB, about as much as the reduction itself.
     out = _scratch(b.size)
     if bits == 8:
         sat = exp_reduce8_into(a, b, out, _STREAM.key, counter)
@@ -460,7 +460,7 @@ def mpi_custom_op(name: str) -> tuple[Any, Any]:
 
 # ---------------------------------------------------------------------------
 # Reduce-once allreduce whose every element is summed in a tree of depth
-# ceil(log2 P) (Global-QSGD's 4-bit exponential codes; issue 15).
+# ceil(log2 P) (Global-QSGD's 4-bit exponential codes).
 
 TREE_TAG = 7927   # tag base of :func:`tree_reduce_once`'s messages (+ block index)
 

@@ -3,7 +3,7 @@
 When every rank of a communicator runs on one node, the pipelined ring of
 :func:`~horovod_compress.mpi_collectives.reduce_ops.ring_reduce_once` still
 copies each segment into MPI's shared-memory transport and out again, and pays
-Python work and a progress call per segment (issue 21: fp16 at P = 2 cost
+Python work and a progress call per segment (fp16 at P = 2 cost
 1.02-1.18x a dense float32 allreduce, most of it that overhead). Here the
 ranks read each other's messages in place instead:
 ``MPI_Win_allocate_shared`` gives every rank a segment of one node-wide
