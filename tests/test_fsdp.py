@@ -242,6 +242,7 @@ DIGITS_METHODS = {
     "fp16": ("fp16", {}),
     "topk": ("topk", {"density": 0.05}),
     "randk": ("randk", {"density": 0.25, "unbiased": True}),
+    "topk_dsa": ("topk_dsa", {"density": 0.05}),
     "oktopk": ("oktopk", {"density": 0.05, "warmup_steps": 1, "tau": 2, "tau_prime": 1}),
     "global_qsgd": ("global_qsgd", {}),
     "powersgd": ("powersgd", {"rank": 2}),
