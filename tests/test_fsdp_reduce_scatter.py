@@ -11,7 +11,7 @@ under ``torchrun`` by tests/test_fsdp.py), at P = 2 and 4:
 * ``Method.reduce_scatter`` over four steps (state, feedback and shared
   randomness included) equals block r of the method's own ``allreduce`` on
   the same inputs, for the methods that reduce-scatter for real (none, fp16,
-  bf16, Rand-K, 8-bit Global-QSGD) and for one that falls back (Top-k); the
+  bf16, Rand-K, 8-bit Global-QSGD, TopkDSA) and for one that falls back (Top-k); the
   real ones send what the reduce-scatter formula says, less than their
   allreduce;
 * a size that is not a multiple of P is refused.
@@ -37,6 +37,7 @@ METHODS = {
     "randk_unbiased": ("randk", {"density": 0.1, "unbiased": True}),
     "global_qsgd": ("global_qsgd", {}),
     "global_qsgd_lin8": ("global_qsgd", {"dithering": "linear", "bits": 8}),
+    "topk_dsa": ("topk_dsa", {"density": 0.05}),
     "topk": ("topk", {"density": 0.05}),
 }
 # Bytes each rank sends for one vector of n float32 under a real reduce-scatter

@@ -36,7 +36,7 @@ from typing import Any
 from .ddp_e2e import ALL_HOOKS, parse_variant, plot, run_on_cluster, split_variants
 
 VARIANTS = ("fsdp_dense", "hvdc_none", "hvdc_fp16", "hvdc_global_qsgd", "hvdc_randk",
-            "hvdc_topk", "hvdc_oktopk", "hvdc_powersgd")
+            "hvdc_topk_dsa", "hvdc_topk", "hvdc_oktopk", "hvdc_powersgd")
 
 
 def shard(model: Any) -> Any:

@@ -7,6 +7,11 @@ whichever is smaller (Renggli et al., SC'19; Ok-Topk paper, Table 1):
 
     avg = (1/P) * sum_i Topk(x_i)          (the same result as TopkA)
 
+Under :meth:`~.base.Method.reduce_scatter` (P equal blocks, SparCML's
+regions) only the sparse reduce-scatter runs: rank j keeps region j, no
+allgatherv (about ``2k(P-1)/P`` words sent per rank: each rank's selection
+outside its own region).
+
 Volume per rank: ``4k(P-1)/P`` words in the best case (every rank selects
 the same indices), up to ``(2k + n)(P-1)/P`` when fill-in makes the reduced
 regions dense. The collective is
@@ -30,13 +35,15 @@ class TopkDSA(LocalTopkSparsifier):
     """Local top-k + SparCML dynamic sparse allreduce (TopkDSA)."""
 
     name = "topk_dsa"
+    scatters = True     # reduce_scatter: the sparse reduce-scatter alone
 
     def _sum_selections(self, comm: Any, flat: np.ndarray, idx: np.ndarray, k: int,
                         state: TensorState) -> tuple[np.ndarray, np.ndarray]:
         # imported here: importing the package must not start MPI
         from ..mpi_collectives.sparse_allreduce_baselines import dsa_allreduce
 
-        total, info = dsa_allreduce(comm, idx, flat[idx], flat.size)
+        total, info = dsa_allreduce(comm, idx, flat[idx], flat.size,
+                                    scatter_only=self._scatter_block(flat, comm) is not None)
         state["fill_in"] = int(info["nnz"])
         return total / flat.dtype.type(comm.size), idx
 

@@ -71,9 +71,14 @@ def uniform_boundaries(n: int, nranks: int) -> np.ndarray:
     return (np.arange(nranks + 1, dtype=np.int64) * n) // nranks
 
 
-def dsa_allreduce(comm: Any, indices: np.ndarray, values: np.ndarray, n: int
-                  ) -> tuple[np.ndarray, dict[str, int]]:
+def dsa_allreduce(comm: Any, indices: np.ndarray, values: np.ndarray, n: int,
+                  scatter_only: bool = False) -> tuple[np.ndarray, dict[str, int]]:
     """TopkDSA: sparse reduce-scatter, then a sparse-or-dense allgatherv.
+
+    ``scatter_only``: stop after the reduce-scatter; the returned sum holds
+    this rank's region only (zeros elsewhere) and ``nnz`` its entries -- the
+    reduce-scatter of sharded data parallelism, whose shards are SparCML's
+    equal regions when P divides n.
 
     Returns the dense sum over ranks (length n, ``values``' dtype) and
     ``{"sparse_regions", "dense_regions", "nnz"}`` describing the allgather
@@ -93,6 +98,10 @@ def dsa_allreduce(comm: Any, indices: np.ndarray, values: np.ndarray, n: int
     red_idx, red_val = coo_sum(np.concatenate([q["index"].astype(np.int64) for q in parts]),
                                np.concatenate([q["value"].astype(np.float64) for q in parts]))
     red_val = red_val.astype(dtype)
+    if scatter_only:
+        mine = np.zeros(n, dtype=dtype)
+        mine[red_idx] = red_val
+        return mine, {"sparse_regions": 0, "dense_regions": 0, "nnz": int(red_idx.size)}
     lo, hi = int(bounds[r]), int(bounds[r + 1])
     edt = entry_dtype(dtype)
     if red_idx.size * edt.itemsize < (hi - lo) * dtype.itemsize:

@@ -34,9 +34,10 @@ shard:
 * flat methods (``layout == "flat"``) run on the whole buffer through
   :meth:`~horovod_compress.compressors.base.Method.reduce_scatter`: rank r
   receives block r of the method's average of the buffer. Methods that
-  reduce-scatter for real (``method.scatters``: none, fp16, bf16,
-  Global-QSGD, Rand-K) move only what a block needs (the reduce-scatter half
-  of their ring, N(P-1)/P of the buffer's N bytes for a dense one); the
+  reduce-scatter for real (``method.scatters``: none, fp16, bf16, 8-bit
+  Global-QSGD, Rand-K, TopkDSA) move only what a block needs (the
+  reduce-scatter half of their ring, N(P-1)/P of the buffer's N bytes for a
+  dense one; TopkDSA's sparse reduce-scatter without its allgatherv); the
   others reduce the whole buffer and keep the slice (their allreduce's
   bytes). The method's state (error feedback, trackers) is kept per module
   buffer, keyed by its parameters.
