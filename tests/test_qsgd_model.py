@@ -52,11 +52,11 @@ def test_threshold_agrees_with_the_time_formulas(delta, n):
 
 
 def test_model_rejects_bad_inputs():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="workers must be >= 2"):
         dense_allreduce_time(1, 1e6, 0, 1e9, 1e9)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="rho must be > 1"):
         bandwidth_threshold(1e9, 10, 1.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="n is needed when delta > 0"):
         bandwidth_threshold(1e9, 10, 4.0, delta=1e-9)  # n needed when delta > 0
 
 
