@@ -177,3 +177,26 @@ def test_a_process_that_made_a_one_rank_communicator_still_launches_mpirun():
                           text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[-2] == "0 ['2', '2']", proc.stdout
+
+
+def test_a_broken_horovod_fails_unless_setup_skipped_it(monkeypatch, tmp_path):
+    """A Horovod module that does not import fails the test; it skips only when the setup said
+    it skipped building Horovod (its marker in the environment's prefix, or HVDC_SKIP_HOROVOD=1)."""
+    import sys
+
+    from horovod_compress.testing import HOROVOD_SKIPPED_MARKER, horovod_build_skipped
+    from horovod_compress.testing_plugin import import_horovod
+    monkeypatch.delenv("HVDC_SKIP_HOROVOD", raising=False)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))          # an environment without the marker
+    monkeypatch.setitem(sys.modules, "horovod.broken_plugin", None)   # import raises ImportError
+    assert not horovod_build_skipped()
+    with pytest.raises(pytest.fail.Exception, match="did not skip building Horovod"):
+        import_horovod("horovod.broken_plugin")
+    (tmp_path / HOROVOD_SKIPPED_MARKER).touch()                 # what setup.sh leaves behind
+    assert horovod_build_skipped()
+    with pytest.raises(pytest.skip.Exception, match="HVDC_SKIP_HOROVOD=1"):
+        import_horovod("horovod.broken_plugin")
+    (tmp_path / HOROVOD_SKIPPED_MARKER).unlink()
+    monkeypatch.setenv("HVDC_SKIP_HOROVOD", "1")
+    with pytest.raises(pytest.skip.Exception):
+        import_horovod("horovod.broken_plugin")
