@@ -70,6 +70,21 @@ def run_horovodrun(nprocs: int, args: Sequence[str], *, timeout: float, cwd: str
                           timeout=timeout, env=env, cwd=cwd)
 
 
+#: The file ``scripts/setup.sh`` leaves in the virtual environment when it was told not to build
+#: Horovod (``HVDC_SKIP_HOROVOD=1``); it removes it when it builds or finds a working Horovod.
+HOROVOD_SKIPPED_MARKER = ".hvdc-horovod-skipped"
+
+
+def horovod_build_skipped() -> bool:
+    """Whether this environment was set up without Horovod on purpose: the setup's marker
+    (:data:`HOROVOD_SKIPPED_MARKER` in ``sys.prefix``) exists or ``HVDC_SKIP_HOROVOD=1`` is set.
+
+    Only then may a test that needs Horovod skip; otherwise a Horovod that is missing or does
+    not import (a broken build of its TensorFlow plugin) is a failure, not a skip."""
+    return (os.environ.get("HVDC_SKIP_HOROVOD") == "1"
+            or Path(sys.prefix, HOROVOD_SKIPPED_MARKER).exists())
+
+
 #: Variables that tie a process to a running MPI job: Open MPI's singleton ``MPI_Init`` (a test or
 #: script that made a one-process Communicator) sets them in the C environment, which every child
 #: process inherits, and an ``mpirun`` started with them exits 1 without a word
@@ -166,19 +181,33 @@ class CaseResults(Mapping):
     name. Reading a case that failed raises :class:`CaseFailed` with that
     case's tracebacks and the job's output, so one failing case fails only
     the tests that read it; the cases after it ran in a fresh job.
+
+    Every instance is entered in :data:`CASE_LEDGER` with which cases a test
+    read, so a case that failed and that no test read still fails the run
+    (the pytest plugin :mod:`horovod_compress.testing_plugin` checks the
+    ledger when a test module ends).
     """
 
     def __init__(self, values: dict[str, dict[int, Any]], failures: dict[str, str],
-                 seconds: dict[str, float] | None = None) -> None:
+                 seconds: dict[str, float] | None = None, *, nprocs: int = 0,
+                 module: str = "") -> None:
         self._values = values
         self._failures = failures
         self._seconds = dict(seconds or {})
+        self.nprocs = nprocs
+        self.module = module
+        self.read: set[str] = set()
+        self.failures_read = False
+        CASE_LEDGER.append(self)
 
     def __getitem__(self, case: CaseRef) -> dict[int, Any]:
         name = _case_name(case)
         if name in self._failures:
+            self.read.add(name)
             raise CaseFailed(self._failures[name])
-        return self._values[name]
+        value = self._values[name]
+        self.read.add(name)
+        return value
 
     def __iter__(self) -> Iterator[str]:
         return iter(list(self._values) + list(self._failures))
@@ -188,7 +217,9 @@ class CaseResults(Mapping):
 
     @property
     def failures(self) -> dict[str, str]:
-        """Case name -> what went wrong, for the cases that failed."""
+        """Case name -> what went wrong, for the cases that failed (a test that reads this
+        has seen every failure: none of them counts as unread)."""
+        self.failures_read = True
         return dict(self._failures)
 
     @property
@@ -196,6 +227,24 @@ class CaseResults(Mapping):
         """Case name (and ``"(import)"``, the module's import, once per ``mpirun``) -> wall
         seconds on the slowest rank, for the cases that finished: where a module's time goes."""
         return dict(self._seconds)
+
+    def unread_failures(self) -> dict[str, str]:
+        """The failed cases no test has read (and :attr:`failures` not read either)."""
+        if self.failures_read:
+            return {}
+        return {name: text for name, text in self._failures.items() if name not in self.read}
+
+    def tally(self) -> dict[str, int]:
+        """Case runs of this launch: ``ran``, ``read`` (by a test), ``failed``,
+        ``failed_unread``."""
+        ran = set(self._values) | set(self._failures)
+        return {"ran": len(ran), "read": len(ran & self.read), "failed": len(self._failures),
+                "failed_unread": len(self.unread_failures())}
+
+
+#: Every :class:`CaseResults` made in this process, in order: what the pytest plugin
+#: (:mod:`horovod_compress.testing_plugin`) checks for failed cases nobody read and counts.
+CASE_LEDGER: list[CaseResults] = []
 
 
 def run_cases(nprocs: int, module_file: str | Path, cases: Sequence[CaseRef] | None = None,
@@ -229,7 +278,7 @@ def run_cases(nprocs: int, module_file: str | Path, cases: Sequence[CaseRef] | N
             failures.update({name: message for name in remaining if name not in done})
             break
         remaining = [n for n in remaining if n not in finished]
-    return CaseResults(values, failures, seconds)
+    return CaseResults(values, failures, seconds, nprocs=nprocs, module=Path(module_file).name)
 
 
 def _slowest_seconds(events: dict[int, dict[str, dict[str, Any]]]) -> dict[str, float]:
@@ -426,7 +475,8 @@ def read_case_results(out_dir: str | Path, nprocs: int) -> CaseResults:
                               f"(finished on {sorted(per_rank)})\n{errors}")
         else:
             values[case] = per_rank
-    return CaseResults(values, failures, _slowest_seconds(events))
+    return CaseResults(values, failures, _slowest_seconds(events), nprocs=nprocs,
+                       module=str(out_dir))
 
 def _worker_main(argv: list[str]) -> None:
     import importlib.util

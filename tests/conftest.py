@@ -1,5 +1,9 @@
-"""Shared pytest setup: the ``cupy`` fixture for the tests that need a CUDA device."""
+"""Shared pytest setup: the ``cupy`` fixture for the tests that need a CUDA device, and the
+MPI-case plugin (:mod:`horovod_compress.testing_plugin`): a case that failed on real ranks
+fails its module even when no test reads it, and the run ends with a tally of case runs."""
 import pytest
+
+from horovod_compress.testing_plugin import every_failed_case_is_read, pytest_terminal_summary  # noqa: F401
 
 
 @pytest.fixture

@@ -30,3 +30,13 @@ def test_hot_path_reports_every_method_against_memcpy_and_dense(tmp_path: Path) 
         assert r["x_dense"] == pytest.approx(r["ms"] / data["dense_ms"])
     text = out.read_text()
     assert "NUMBA_NUM_THREADS=1" in text and "| dense allreduce |" in text
+    # the page shows what was measured: every row's time and its ratios to the two baselines
+    # (derived here from the JSON's times), the baselines' own rows included
+    table = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:5]]
+             for line in text.splitlines() if line.startswith("| ") and "---" not in line}
+    memcpy, dense = data["memcpy_ms"], data["dense_ms"]
+    assert table["memcpy"] == [f"{memcpy:.2f}", "1.0", f"{memcpy / dense:.2f}"], table
+    assert table["dense allreduce"] == [f"{dense:.2f}", f"{dense / memcpy:.1f}", "1.00"], table
+    for r in data["rows"]:
+        assert table[r["method"]] == [f"{r['ms']:.2f}", f"{r['ms'] / memcpy:.1f}",
+                                      f"{r['ms'] / dense:.2f}"], (r, table)

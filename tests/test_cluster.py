@@ -156,7 +156,7 @@ def test_probe_passes_pool_their_samples():
     assert merged["sizes"] == [[10.0, pytest.approx(0.25)]] and merged["sizes_rank_mean"] == [[10.0, 0.2]]
     inter = merge_probes([one_pass(1.0), one_pass(2.0)])["interleaved"]
     assert inter["call_mean_s"] == pytest.approx(0.015) and inter["curve"][0]["call_p90_s"] == pytest.approx(0.03)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="at least one probe pass"):
         merge_probes([])
 
 
@@ -193,9 +193,12 @@ def test_a_run_whose_ranks_never_start_fails_fast():
 
 def test_spec_validation():
     assert parse_rate("100mbit") == 1e8 and parse_rate("10gbit") == 1e10
-    for bad in ({"bandwidth": "fast"}, {"hosts": 0}, {"name": "Bad-Name"}, {"subnet": "10.1"},
-                {"delay": "5 ms"}):
-        with pytest.raises(ValueError):
+    for bad, match in (({"bandwidth": "fast"}, "bandwidth must look like"),
+                       ({"hosts": 0}, "hosts must be an integer"),
+                       ({"name": "Bad-Name"}, "cluster name must be"),
+                       ({"subnet": "10.1"}, "subnet must be three octets"),
+                       ({"delay": "5 ms"}, "a duration must look like")):
+        with pytest.raises(ValueError, match=match):
             ClusterSpec(**bad)
 
 

@@ -12,7 +12,11 @@ import pytest
 
 from horovod_compress.testing import run_cases
 
-BURN_S = 0.08      # CPU seconds the forward pass burns on top of the tiny model's own
+#: CPU seconds the forward pass burns on top of the tiny model's own. A gap that wrongly held the
+#: pass would be at least this long (CPU time never exceeds wall time); a right one holds only the
+#: method's own few milliseconds. The bounds below sit at half of it: wide margins both ways on a
+#: shared, oversubscribed machine.
+BURN_S = 0.3
 
 
 def _burn(seconds: float) -> None:
@@ -23,7 +27,7 @@ def _burn(seconds: float) -> None:
 
 def case_gap_of_a_bucket_starts_at_its_agreement(comm):
     """Dense (one allreduce right after the agreement) and PowerSGD (its first call after its
-    own work): the first gap holds only the method's work, not the pass's 80 ms before it."""
+    own work): the first gap holds only the method's work, not the pass's 300 ms before it."""
     from horovod_compress.bench import e2e_calls, e2e_models
     build = e2e_models.build_model
 
@@ -42,7 +46,7 @@ def case_gap_of_a_bucket_starts_at_its_agreement(comm):
     finally:
         e2e_models.build_model = build
     dense_gaps = calls["none"]["allreduce" + e2e_calls.GAP_SUFFIX]
-    assert len(dense_gaps) == 1 and dense_gaps[0] < 0.2 * BURN_S, dense_gaps
+    assert len(dense_gaps) == 1 and dense_gaps[0] < 0.5 * BURN_S, dense_gaps
     psgd_gaps = calls["powersgd"]["allreduce" + e2e_calls.GAP_SUFFIX]
     assert len(psgd_gaps) == len(calls["powersgd"]["allreduce"]) >= 2
     assert max(psgd_gaps) < 0.5 * BURN_S, psgd_gaps

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from horovod_compress.testing import mpi_env, mpirun_command
+from horovod_compress.testing_plugin import needs_horovod
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -57,10 +57,9 @@ def test_keras_example():
 
 
 @pytest.mark.horovod
+@needs_horovod
 def test_horovodrun_example():
     bindir = str(Path(sys.executable).parent)
-    if shutil.which("horovodrun", path=bindir) is None:
-        pytest.skip("Horovod is not built in this environment (scripts/setup.sh builds it)")
     env = mpi_env({"NP": "2", "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),
                    "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     out = _run(["bash", "examples/horovodrun.sh", "--model", "mlp", "--compression", "topk", *SMALL], env=env)

@@ -84,13 +84,16 @@ def case_agreement_wait_is_timed_apart(comm):
     comm.barrier()
     comm.reset_stats()
     if comm.rank == comm.size - 1:
-        time.sleep(0.3)
+        time.sleep(1.0)
     method.allreduce(x, "warm", comm)
     t, st = comm.timings(), comm.stats()
     assert set(st["by_op"]) == {"allgather"}, st       # the agreement counts no bytes
     if comm.rank != comm.size - 1:
-        assert t["by_op"]["agree"] >= 0.25, t
-        assert t["total"] - t["by_op"]["agree"] < 0.2, t
+        # the late peer's 1 s lands in "agree", not in the payload's collective: bounds at half of
+        # it either way, so a shared, oversubscribed machine's delays of the waiting rank itself
+        # (it reaches the agreement late, or the payload's exchange is slow) cannot decide them
+        assert t["by_op"]["agree"] >= 0.5, t
+        assert t["total"] - t["by_op"]["agree"] < 0.5, t
     assert t["cpu_by_op"]["agree"] <= t["cpu_total"] + 1e-9
 
 
@@ -165,11 +168,12 @@ def case_residual_feedback_keeps_everything(comm):
         m.allreduce(g, "w", comm)
         e = m.state["w"]["fb_residual"]
         k = k_from_density("topk", 0.05, n)
-        sent = acc - e
-        assert np.count_nonzero(sent) <= k
-        assert np.array_equal(sent + e, acc)  # nothing lost
-        kept = np.flatnonzero(sent)
-        assert np.array_equal(sent[kept], acc[kept])
+        # the oracle, from acc alone: the k largest |acc| (ties to the lower index) were sent, so
+        # the residual is acc with exactly those entries zeroed and every other entry unchanged
+        top = np.sort(np.argsort(-np.abs(acc), kind="stable")[:k])
+        want = acc.copy()
+        want[top] = 0
+        assert np.array_equal(e, want), step      # nothing lost, nothing sent twice
         e_prev = e.copy()
     return True
 
@@ -196,10 +200,12 @@ def case_randk_fused_residual_is_the_unfused_one(comm):
         assert np.array_equal(a, b) and a.dtype == b.dtype == np.float32, step
         assert np.array_equal(ea, eb), step
         acc = g + e_prev
-        sent = acc - ea                     # what this rank's message carried
-        assert np.array_equal(sent + ea, acc)          # nothing lost
+        # the oracle, from acc and the shared index set alone: the residual is acc with the
+        # sent entries zeroed and every other entry unchanged (nothing lost, nothing sent twice)
         idx = fused.indices("w", step + 1, n)
-        assert np.array_equal(np.flatnonzero(sent), np.flatnonzero(acc * np.isin(np.arange(n), idx)))
+        want = acc.copy()
+        want[idx] = 0
+        assert np.array_equal(ea, want), step
         e_prev = ea.copy()
     assert len(calls) == 3                  # steps 2-4 (the first has no residual yet)
     return True

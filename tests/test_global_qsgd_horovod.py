@@ -18,22 +18,16 @@ Quantization for Distributed Learning with Theoretical Guarantees" (Xin et al.,
 2023): linear and exponential dithering, 8 and 4 bits.
 """
 import json
-import shutil
 import sys
-from pathlib import Path
 
 import pytest
 
 from horovod_compress.testing import run_horovodrun, same_on_all_ranks
+from horovod_compress.testing_plugin import needs_horovod
 
-try:
-    import horovod.torch  # noqa: F401
-    HAVE_HOROVOD = shutil.which("horovodrun", path=str(Path(sys.executable).parent)) is not None
-except ImportError:
-    HAVE_HOROVOD = False
 
 pytestmark = [pytest.mark.horovod, pytest.mark.mpi,
-              pytest.mark.skipif(not HAVE_HOROVOD, reason="Horovod is not built in this environment")]
+              needs_horovod]
 
 
 def test_linear_8bit_through_horovods_allreduce(tmp_path):

@@ -245,7 +245,7 @@ def test_pack_unpack_roundtrip_and_layout():
     assert np.array_equal(unpack_nibbles(pack_nibbles(odd), 3), odd)
     levels = np.array([-8, -7, -1, 0, 1, 7, 3], np.int8)
     assert np.array_equal(unpack_nibbles(pack_nibbles(levels), 7, signed=True), levels)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"n must be at most 2 \* len\(packed\)"):
         unpack_nibbles(packed, 17)
 
 
@@ -320,13 +320,16 @@ def test_impossible_linear_configuration_raises_before_communication():
 
 
 def test_constructor_validation():
-    for bad in ({"dithering": "log"}, {"bits": 2}, {"bits": 6}, {"bits": "8"}, {"norm": "l1"},
-                {"sparse": "yes"}, {"headroom": -1}, {"headroom": 5, "bits": 4},
-                {"dithering": "linear", "headroom": 2}, {"seed": -1}, {"feedback": "nope"}):
-        with pytest.raises(ValueError):
+    # each message names the argument at fault
+    for bad, name in (({"dithering": "log"}, "dithering"), ({"bits": 2}, "bits"), ({"bits": 6}, "bits"),
+                      ({"bits": "8"}, "bits"), ({"norm": "l1"}, "norm"), ({"sparse": "yes"}, "sparse"),
+                      ({"headroom": -1}, "headroom"), ({"headroom": 5, "bits": 4}, "headroom"),
+                      ({"dithering": "linear", "headroom": 2}, "headroom"), ({"seed": -1}, "seed"),
+                      ({"feedback": "nope"}, "feedback")):
+        with pytest.raises(ValueError, match=f"global_qsgd: {name}"):
             hvdc.Compression.global_qsgd(**bad)
     for bad in ({"bits": 3}, {"norm": "l0"}):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match=f"qsgd: {next(iter(bad))}"):
             hvdc.Compression.qsgd(**bad)
     m = hvdc.Compression.global_qsgd()
     assert m.params()["dithering"] == "exponential" and m.bits == 8 and m.norm == "inf"

@@ -834,9 +834,11 @@ def test_bad_arguments(kwargs, words):
         assert w in str(info.value)
 
 
-@pytest.mark.parametrize("kwargs", [{"rank": 0}, {"period": -1}, {"feedback": "residual"}])
-def test_lazy_projection_bad_arguments(kwargs):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize("kwargs,match", [({"rank": 0}, "rank must be an integer"),
+                                          ({"period": -1}, "period must be an integer"),
+                                          ({"feedback": "residual"}, "unknown parameter 'feedback'")])
+def test_lazy_projection_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
         hvdc.Compression.lazy_projection(**kwargs)
 
 

@@ -8,7 +8,10 @@ single-node runs can always take):
 
 * the ring's sum equals the chain the ring computes by construction -- block j
   (``block_counts(n, P)`` words) folded as round16(...round16(q_{j+1} + q_{j+2})
-  ... + q_j) over ranks j+1, ..., j+P (mod P), one 16-bit rounding per addition;
+  ... + q_j) over ranks j+1, ..., j+P (mod P), one 16-bit rounding per addition --
+  rebuilt in the test from NumPy alone (its float16 cast; bfloat16 by rounding the
+  float32 bits), not from the library's kernels, and the library's encoding of each
+  rank's message matches that oracle bit for bit;
 * at P = 2 it is bit-identical to MPI's allreduce with the custom operator (the
   path it replaces: one addition, commutative);
 * every rank holds the same bits, byte counts match ``expected_bytes`` and the
@@ -29,19 +32,36 @@ CASES = Path(__file__)
 ALL = ["case_ring_matches_chain", "case_nonfinite_policies"]
 
 
+def _np_encode(x: np.ndarray, kind: str, scale: float) -> np.ndarray:
+    """The oracle's 16-bit patterns of ``float32(x) * float32(scale)``, from NumPy alone: its
+    float16 cast (round to nearest even), or bfloat16 as the top half of the float32 bits
+    rounded to nearest even (finite inputs)."""
+    y = x.astype(np.float32) * np.float32(scale)
+    if kind == "fp16":
+        return y.astype(np.float16).view(np.uint16)
+    b = y.view(np.uint32).astype(np.uint64)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _np_decode(words: np.ndarray, kind: str) -> np.ndarray:
+    """The oracle's float32 values of 16-bit patterns (both widenings are exact)."""
+    if kind == "fp16":
+        return words.view(np.float16).astype(np.float32)
+    return (words.astype(np.uint32) << 16).view(np.float32)
+
+
 def _chain(words: np.ndarray, kind: str) -> np.ndarray:
-    """The ring's sum from every rank's words (P, n): block j folded over ranks j+1, ..., j."""
-    from horovod_compress.kernels.halfprec import add16_into
-    from horovod_compress.mpi_collectives.reduce_ops import block_counts
+    """The ring's sum from every rank's words (P, n), in NumPy alone: block j (``np.array_split``'s
+    blocks: the first n % P one word longer) folded over ranks j+1, ..., j+P (mod P), each
+    addition widened to float32 and rounded back to 16 bits once."""
     p, n = words.shape
-    counts = block_counts(n, p)
-    starts = np.concatenate([[0], np.cumsum(counts)])
     out = np.empty(n, np.uint16)
-    for j in range(p):
-        lo, hi = int(starts[j]), int(starts[j + 1])
-        acc = words[(j + 1) % p, lo:hi].copy()
+    for j, block in enumerate(np.array_split(np.arange(n), p)):
+        lo, hi = (int(block[0]), int(block[-1]) + 1) if block.size else (0, 0)
+        acc = words[(j + 1) % p, lo:hi]
         for s in range(2, p + 1):
-            add16_into(words[(j + s) % p, lo:hi].copy(), acc, kind)
+            total = _np_decode(words[(j + s) % p, lo:hi], kind) + _np_decode(acc, kind)
+            acc = _np_encode(total, kind, 1.0)
         out[lo:hi] = acc
     return out
 
@@ -83,8 +103,9 @@ def case_ring_matches_chain(comm: Any) -> dict[str, Any]:
             ref_mpi = old.allreduce(x, "g", comm)
             old_bytes = float(comm.stats()["by_op"].get("allreduce", {}).get("sent", 0.0))
             words = encode16(x, kind, scale=1.0 / comm.size)
+            assert np.array_equal(words, _np_encode(x, kind, 1.0 / comm.size)), (kind, n)
             every = comm.allgather(words).reshape(comm.size, n)
-            chain = decode16(_chain(every, kind), kind)
+            chain = _np_decode(_chain(every, kind), kind)
             all_avg = comm.allgather(avg).reshape(comm.size, n)
             # feedback that reads ``local``: the widened own message
             from horovod_compress.feedback import make_feedback

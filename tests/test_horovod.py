@@ -6,23 +6,16 @@ horovodrun. This file is also the script the horovodrun ranks run (``python
 tests/test_horovod.py ENTRY OUT``, ENTRY the name of one of :data:`ENTRY_POINTS`).
 """
 import json
-import shutil
 import sys
-from pathlib import Path
 
 import pytest
 
 from horovod_compress.testing import run_horovodrun, same_on_all_ranks
+from horovod_compress.testing_plugin import needs_horovod
 
-try:
-    import horovod.torch  # noqa: F401
-    HAVE_HOROVOD = shutil.which("horovodrun", path=str(Path(sys.executable).parent)) is not None
-except ImportError:
-    HAVE_HOROVOD = False
 
 pytestmark = [pytest.mark.horovod, pytest.mark.mpi,
-              pytest.mark.skipif(not HAVE_HOROVOD, reason="Horovod is not built in this environment "
-                                 "(scripts/setup.sh builds it; HVDC_SKIP_HOROVOD=1 skips it)")]
+              needs_horovod]
 
 
 def horovodrun(args, tmp_path, timeout=600):

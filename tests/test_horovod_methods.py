@@ -9,7 +9,6 @@ method, op Average or Sum, give exactly the method's own result (none/fp16/bf16:
 the dense average); what cannot be honoured is refused with a clear error.
 """
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -17,20 +16,15 @@ import pytest
 
 import horovod_compress as hvdc
 from horovod_compress.testing import find_cases, run_horovodrun
+from horovod_compress.testing_plugin import import_horovod, needs_horovod
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TORCH_SCRIPT = SCRIPTS / "horovod_methods_torch.py"
 TF_SCRIPT = SCRIPTS / "horovod_methods_tf.py"
 
-try:
-    import horovod.torch  # noqa: F401
-    HAVE_HOROVOD = shutil.which("horovodrun", path=str(Path(sys.executable).parent)) is not None
-except ImportError:
-    HAVE_HOROVOD = False
 
 pytestmark = [pytest.mark.horovod, pytest.mark.mpi,
-              pytest.mark.skipif(not HAVE_HOROVOD, reason="Horovod is not built in this environment "
-                                 "(scripts/setup.sh builds it)")]
+              needs_horovod]
 
 METHODS = hvdc.Compression.available()
 # each method x op, then the scripts' case_* checks (found by name)
@@ -54,7 +48,7 @@ def torch_report(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tf_report(tmp_path_factory):
-    pytest.importorskip("horovod.tensorflow")
+    import_horovod("horovod.tensorflow")
     out = tmp_path_factory.mktemp("hvd_tf") / "report.json"
     horovodrun(TF_SCRIPT, out)
     return json.loads(out.read_text())

@@ -23,6 +23,7 @@ from horovod_compress.compressors.base import NonFiniteGradientError
 from horovod_compress.runtime.consistency import TensorMismatchError
 from horovod_compress.testing import (find_cases, mpi_env, mpirun_command, run_cases, run_horovodrun,
                                       same_on_all_ranks)
+from horovod_compress.testing_plugin import import_horovod
 
 
 # --------------------------------------------------------------------- cases
@@ -400,7 +401,7 @@ def test_abort_hook_installed_by_default():
 @pytest.mark.mpi
 def test_exception_under_horovodrun():
     """The same under Horovod's launcher (it starts mpirun)."""
-    pytest.importorskip("horovod.runner", reason="Horovod not installed")
+    import_horovod("horovod.runner")
     start = time.monotonic()
     proc = run_horovodrun(2, ["--mpi-args=--oversubscribe", sys.executable, __file__,
                               script_raise_in_main.__name__], timeout=90)

@@ -87,7 +87,7 @@ def test_argument_checks_and_dtype_rule():
         Scaling.from_args(Average, 0.0)
     with pytest.raises(ValueError, match="bucket_bytes"):
         check_bucket_bytes(0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="backward_passes_per_step must be >= 1"):
         check_backward_passes(0)
     assert working_dtype("float16") == "float16" and working_dtype("float64") == "float64"
     assert working_dtype("bfloat16") == "float32" and working_dtype("int32") == "float32"

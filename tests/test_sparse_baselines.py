@@ -237,6 +237,12 @@ def test_single_rank():
         res[case]          # raises CaseFailed with the tracebacks if the case failed
 
 
+def test_degenerate_inputs_at_every_p(results):
+    """All-zero gradients and tensors smaller than P: the case checked the exact averages."""
+    p, res = results
+    assert {r["p"] for r in res[case_baselines_degenerate].values()} == {p}
+
+
 def test_topk_dsa_best_case_is_about_4k(results):
     p, res = results
     for r in res[case_topk_dsa_sparse_regime].values():

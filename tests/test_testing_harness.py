@@ -1,7 +1,8 @@
 """The MPI test harness itself (``horovod_compress.testing.run_cases``) on real ranks.
 
 One failing or hanging case must fail only itself: the cases after it still
-run (in a fresh ``mpirun``) and report their own results.
+run (in a fresh ``mpirun``) and report their own results; and a failing case
+that no test reads still fails the run (``horovod_compress.testing_plugin``).
 """
 from __future__ import annotations
 
@@ -65,6 +66,63 @@ def test_a_failing_or_hanging_case_fails_alone(tmp_path):
     assert all(secs >= 0 for secs in res.seconds.values()) and res.seconds["(import)"] > 0
 
 
+INNER_TEST = textwrap.dedent('''
+    import pytest
+    from horovod_compress.testing import run_cases
+
+    CASES = {cases!r}
+
+    @pytest.fixture(scope="module")
+    def results():
+        return run_cases(2, CASES, ["case_first", "case_fails_on_last_rank"], timeout=60)
+
+    def test_reads_only_the_passing_case(results):
+        assert results["case_first"] == {{0: 0, 1: 10}}
+
+    def test_reads_the_failing_case(results):
+        if {read_failure}:
+            results["case_fails_on_last_rank"]
+''')
+
+
+def _inner_pytest(tmp_path, read_failure: bool):
+    """A pytest session (with the plugin) over INNER_TEST: its exit code and output."""
+    import subprocess
+    import sys
+    cases = tmp_path / "cases.py"
+    cases.write_text(MODULE)
+    (tmp_path / "test_inner.py").write_text(INNER_TEST.format(cases=str(cases), read_failure=read_failure))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-p", "horovod_compress.testing_plugin", "--rootdir", str(tmp_path),
+                           str(tmp_path / "test_inner.py")],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_an_unread_failing_case_fails_the_run(tmp_path):
+    """Both tests pass (neither reads the failing case), yet the module errors at its last
+    teardown with the case's traceback, and the tally counts the failure as unread."""
+    code, out = _inner_pytest(tmp_path, read_failure=False)
+    assert code == 1, out
+    assert "2 passed, 1 error" in out, out
+    assert "case_fails_on_last_rank failed and no test read it" in out, out
+    assert "rank-specific failure in the case" in out, out
+    assert "2 case runs in 1 launches: 1 read by a test, 1 checked only by their own " \
+           "assertions; 1 failed, 1 of them unread" in out, out
+
+
+@pytest.mark.timeout(300)
+def test_a_read_failing_case_fails_only_its_reader(tmp_path):
+    """The same failure read by a test: that test fails, once, and nothing else errors."""
+    code, out = _inner_pytest(tmp_path, read_failure=True)
+    assert code == 1, out
+    assert "1 failed, 1 passed in" in out and "error" not in out.split("\n")[-2], out
+    assert "no test read it" not in out, out
+    assert "2 case runs in 1 launches: 2 read by a test, 0 checked only by their own " \
+           "assertions; 1 failed, 0 of them unread" in out, out
+
+
 def test_an_import_error_fails_every_case_once(tmp_path):
     path = tmp_path / "broken.py"
     path.write_text("import not_a_module_anywhere\n\ndef case_a(comm):\n    pass\n\n"
@@ -93,7 +151,7 @@ def test_a_process_that_made_a_one_rank_communicator_still_launches_mpirun():
     Communicator() in the pytest process before `hvdc bench e2e` ran)."""
     import subprocess
     import sys
-    launcher = textwrap.dedent("""
+    launcher = textwrap.dedent(r"""
         import re, subprocess, sys
         from horovod_compress.testing import mpi_env, mpirun_command
         cmd = mpirun_command(2) + [sys.executable, "-c",
@@ -119,3 +177,26 @@ def test_a_process_that_made_a_one_rank_communicator_still_launches_mpirun():
                           text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[-2] == "0 ['2', '2']", proc.stdout
+
+
+def test_a_broken_horovod_fails_unless_setup_skipped_it(monkeypatch, tmp_path):
+    """A Horovod module that does not import fails the test; it skips only when the setup said
+    it skipped building Horovod (its marker in the environment's prefix, or HVDC_SKIP_HOROVOD=1)."""
+    import sys
+
+    from horovod_compress.testing import HOROVOD_SKIPPED_MARKER, horovod_build_skipped
+    from horovod_compress.testing_plugin import import_horovod
+    monkeypatch.delenv("HVDC_SKIP_HOROVOD", raising=False)
+    monkeypatch.setattr(sys, "prefix", str(tmp_path))          # an environment without the marker
+    monkeypatch.setitem(sys.modules, "horovod.broken_plugin", None)   # import raises ImportError
+    assert not horovod_build_skipped()
+    with pytest.raises(pytest.fail.Exception, match="did not skip building Horovod"):
+        import_horovod("horovod.broken_plugin")
+    (tmp_path / HOROVOD_SKIPPED_MARKER).touch()                 # what setup.sh leaves behind
+    assert horovod_build_skipped()
+    with pytest.raises(pytest.skip.Exception, match="HVDC_SKIP_HOROVOD=1"):
+        import_horovod("horovod.broken_plugin")
+    (tmp_path / HOROVOD_SKIPPED_MARKER).unlink()
+    monkeypatch.setenv("HVDC_SKIP_HOROVOD", "1")
+    with pytest.raises(pytest.skip.Exception):
+        import_horovod("horovod.broken_plugin")

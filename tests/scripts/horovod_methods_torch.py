@@ -4,7 +4,8 @@ For each method x op (Average, Sum): Horovod's optimizer with the method must
 give, step after step, exactly the gradients our own
 ``horovod_compress.torch.DistributedOptimizer`` gives with a fresh instance of
 the same method (same buckets, names, state) -- and ``none``/``fp16``/``bf16``,
-which Horovod reduces itself, the dense average. Plus the options: Adasum
+which Horovod reduces itself, the dense average; Top-k also against a NumPy
+reference of its own (not our optimizer's result). Plus the options: Adasum
 refused for compressed methods, predivide, backward_passes_per_step, the
 uncalled factory, direct ``hvd.allreduce``, non-linear ops and reducescatter
 refused, a process set. Writes {check: "ok" | error text} as JSON (rank 0) to
@@ -128,6 +129,43 @@ for name in hvdc.Compression.available():
     for op_label, op in (("Average", hvd.Average), ("Sum", hvd.Sum)):
         record(f"torch_optimizer[{name}-{op_label}]",
                lambda name=name, op=op: run_pair(name, op))
+
+
+@case
+def case_topk_against_a_numpy_reference(comm):
+    """An oracle independent of our optimizer: Horovod's optimizer with Top-k (no feedback)
+    gives, step after step, the average over ranks of each rank's k largest |gradient| entries
+    of the fused bucket (these four small tensors share one 64 MB bucket: k = max(1, round(
+    density n)) of their n entries together), built here from NumPy alone ("Sparse
+    Communication for Distributed Gradient Descent", Aji and Heafield 2017, Section 2), with
+    each rank's local gradient taken by a plain model at the same weights."""
+    density = 0.25
+    a, fresh = model_pair()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.05),
+                                   named_parameters=a.named_parameters(),
+                                   compression=hvdc.Compression.topk(density=density, feedback="none"),
+                                   op=hvd.Average)
+    for step in range(STEPS):
+        fresh.load_state_dict(a.state_dict())
+        fresh.zero_grad()
+        backward(fresh, step)
+        local = np.concatenate([g.reshape(-1) for g in grads(fresh)])
+        opt.zero_grad()
+        backward(a, step)
+        opt.synchronize()
+        got = np.concatenate([g.reshape(-1) for g in grads(a)])
+        n = local.size
+        k = min(n, max(1, round(density * n)))
+        want = np.zeros(n)
+        for row in comm.allgather(local).astype(np.float64):     # (P, n)
+            top = np.argsort(-np.abs(row), kind="stable")[:k]
+            want[top] += row[top]
+        want /= SIZE
+        assert np.array_equal(np.flatnonzero(got), np.flatnonzero(want)), step
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+        with opt.skip_synchronize():
+            opt.step()
+    same_on_ranks([p.detach().numpy() for p in a.parameters()])
 
 
 @case
