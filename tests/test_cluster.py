@@ -403,7 +403,10 @@ def test_nothing_left_after_an_interrupt(signame):
     import signal
     name = f"i{os.getpid() % 100000}{signame[3].lower()}"
     _cluster_or_skip(name)
-    script = (f"from horovod_compress.cluster import *\n"
+    # a shell's background job (`pytest ... &`) starts with SIGINT ignored, which children
+    # inherit; the script restores Python's handler so that it sees the Ctrl-C a terminal sends
+    script = (f"import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+              f"from horovod_compress.cluster import *\n"
               f"with EmulatedCluster(ClusterSpec(hosts=2, name={name!r})):\n"
               f"    print('up', flush=True)\n"
               f"    import time; time.sleep(60)\n")
