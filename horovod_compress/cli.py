@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("train", "train the digits MLP on P ranks with a compression method"),
     "cluster": ("cluster", "emulated cluster: hosts in network namespaces with shaped links"),
     "model": ("model_cmd", "alpha-beta model: step time, speedup, break-even bandwidth per method"),
+    "timeline": ("timeline_view", "read a timeline file (HOROVOD_TIMELINE): Gantt chart or table per rank"),
 }
 
 #: ``hvdc bench <name>``: name -> (module in horovod_compress.bench, help).

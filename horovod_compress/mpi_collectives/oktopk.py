@@ -101,6 +101,7 @@ from ..kernels.oktopk_fused import (
     select_at_least,
 )
 from ..kernels.selection import kth_largest_abs, select_by_threshold, select_topk
+from . import timeline
 from .coo_messages import (
     allgatherv_entries,
     as_bytes,
@@ -622,8 +623,9 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
     # lines 2-4: local threshold, exact every tau' steps, reused (and nudged) otherwise
     th = float(state.get("local_th", 0.0))
     exact_local = first_of_period or "local_th" not in state or th <= 0.0
-    idx, val, th, local_reused, exact_local = _local_selection(
-        acc, addends, th, exact_local, k, schedule.local_guard, scratch, gate)
+    with timeline.span("oktopk.local_selection", "compress", exact=bool(exact_local)):
+        idx, val, th, local_reused, exact_local = _local_selection(
+            acc, addends, th, exact_local, k, schedule.local_guard, scratch, gate)
     idx, val = to_host(idx), to_host(val)
     state["local_th"] = (th if exact_local else
                          _nudge(th, idx.size, k, schedule.low, schedule.high,

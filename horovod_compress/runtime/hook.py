@@ -46,6 +46,7 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 
 from ..kernels.arrays import get_array_module, to_host
+from ..mpi_collectives import timeline as _timeline
 from .hook_buckets import FLAT_PREFIX, HookBuckets, flat_key
 from .per_tensor import PerTensorReducer
 from .session import StepSettings
@@ -137,7 +138,9 @@ class HookExchange:
         try:
             if self._active is None:
                 self._begin()
-            self._bucket(bucket)
+            with _timeline.span("bucket", "bucket", tensors=len(bucket.names),
+                                numel=int(bucket.numel), last=bool(bucket.is_last)):
+                self._bucket(bucket)
             st.bytes_sent += max(comm.bytes_sent - sent0, 0.0)
             st.bytes_received += max(comm.bytes_received - received0, 0.0)
             st.dense_bytes += ring_allreduce_bytes(bucket.nbytes, comm.size)

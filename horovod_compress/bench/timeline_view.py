@@ -1,0 +1,175 @@
+"""``hvdc timeline``: read a timeline file without a browser -- a Gantt chart and a table.
+
+A timeline (``HOROVOD_TIMELINE=file.json``, ``hvdc bench e2e --timeline DIR``;
+docs/timeline.md) is Chrome trace-event JSON: one process per rank, spans
+with a category. Perfetto (https://ui.perfetto.dev) and ``chrome://tracing``
+open it; where neither is at hand:
+
+    hvdc timeline plot trace.json --out trace.png        # rank x phase Gantt chart
+    hvdc timeline summary trace.json                     # seconds per rank and span name
+
+The chart gives every rank five lanes, top to bottom: the step (training
+step, bucket, the method's call), the method's labelled phases, its local
+work (compression, decompression, feedback), the collectives (MPI calls,
+coloured by kind) and the waits (a request's wait, the per-call agreement
+where a rank waits for late peers).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+#: Lanes of one rank in the chart: (label, categories drawn there).
+LANES = (("step", ("step", "bucket", "method")), ("phase", ("phase",)),
+         ("local work", ("compress", "decompress", "feedback")), ("MPI", ("mpi",)),
+         ("wait", ("wait", "agree")))
+
+
+def load_trace(path: str | Path) -> dict[str, Any]:
+    """A trace file as written by the timeline (``{"traceEvents": [...]}``; a bare list is accepted)."""
+    data = json.loads(Path(path).read_text())
+    if isinstance(data, list):
+        data = {"traceEvents": data}
+    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+        raise ValueError(f"{path}: not trace-event JSON (no traceEvents list)")
+    return data
+
+
+def spans_by_rank(trace: dict[str, Any], start_ms: float | None = None,
+                  end_ms: float | None = None) -> dict[int, list[dict[str, Any]]]:
+    """Complete events per process (rank), sorted by start; only those overlapping the window."""
+    out: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for e in trace["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        t0, t1 = e["ts"] / 1e3, (e["ts"] + e["dur"]) / 1e3
+        if (start_ms is not None and t1 < start_ms) or (end_ms is not None and t0 > end_ms):
+            continue
+        out[int(e["pid"])].append(e)
+    for evs in out.values():
+        evs.sort(key=lambda e: e["ts"])
+    return dict(sorted(out.items()))
+
+
+def seconds_by_name(trace: dict[str, Any], start_ms: float | None = None,
+                    end_ms: float | None = None) -> dict[int, dict[str, float]]:
+    """Per rank: the seconds spent in each span name (``name [category]``), nested spans counted
+    in their own name as well as in their parents'."""
+    out: dict[int, dict[str, float]] = {}
+    for rank, evs in spans_by_rank(trace, start_ms, end_ms).items():
+        acc: dict[str, float] = defaultdict(float)
+        for e in evs:
+            acc[f"{e['name']} [{e.get('cat', '')}]"] += e["dur"] / 1e6
+        out[rank] = dict(acc)
+    return out
+
+
+def summary_table(trace: dict[str, Any], start_ms: float | None = None,
+                  end_ms: float | None = None, top: int = 30) -> str:
+    """A markdown table: span names (longest total first) x ranks, in milliseconds."""
+    per = seconds_by_name(trace, start_ms, end_ms)
+    ranks = sorted(per)
+    totals: dict[str, float] = defaultdict(float)
+    for acc in per.values():
+        for k, v in acc.items():
+            totals[k] += v
+    names = sorted(totals, key=lambda k: -totals[k])[:top]
+    lines = ["| span [category] | " + " | ".join(f"rank {r} (ms)" for r in ranks) + " |",
+             "|---|" + "---:|" * len(ranks)]
+    for k in names:
+        lines.append(f"| {k} | " + " | ".join(f"{1e3 * per[r].get(k, 0.0):.2f}" for r in ranks) + " |")
+    return "\n".join(lines)
+
+
+def _colour_of(name: str, palette: dict[str, Any], cmap: Any) -> Any:
+    if name not in palette:
+        palette[name] = cmap(len(palette) % 20)
+    return palette[name]
+
+
+def plot_gantt(trace: dict[str, Any], out: str | Path, title: str = "",
+               start_ms: float | None = None, end_ms: float | None = None) -> Path:
+    """Draw ranks x lanes (:data:`LANES`) over time to ``out`` (PNG); returns the path."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    from .report_files import save_figure
+    by_rank = spans_by_rank(trace, start_ms, end_ms)
+    if not by_rank:
+        raise ValueError("the trace has no spans in the chosen window")
+    ranks = sorted(by_rank)
+    lane_of = {cat: i for i, (_, cats) in enumerate(LANES) for cat in cats}
+    n_lanes = len(LANES)
+    fig, ax = plt.subplots(figsize=(13, 1.1 + 1.25 * len(ranks)))
+    palette: dict[str, Any] = {}
+    cmap = plt.get_cmap("tab20")
+    t_lo = min(e["ts"] for evs in by_rank.values() for e in evs) / 1e3
+    t_hi = max(e["ts"] + e["dur"] for evs in by_rank.values() for e in evs) / 1e3
+    if start_ms is not None:
+        t_lo = max(t_lo, start_ms)
+    if end_ms is not None:
+        t_hi = min(t_hi, end_ms)
+    ticks, labels = [], []
+    for row, rank in enumerate(ranks):
+        base = row * (n_lanes + 1)
+        for lane, (label, _) in enumerate(LANES):
+            y = base + (n_lanes - 1 - lane)
+            ticks.append(y)
+            labels.append(f"rank {rank}  {label}" if lane == 0 else label)
+        for e in by_rank[rank]:
+            lane = lane_of.get(e.get("cat", ""), 0)
+            y = base + (n_lanes - 1 - lane)
+            x0, w = e["ts"] / 1e3, e["dur"] / 1e3
+            cat = e.get("cat", "")
+            if cat in ("wait", "agree"):
+                colour = "#d62728" if cat == "wait" else "#ff9896"
+            elif cat in ("step", "bucket", "method"):
+                colour = {"step": "#c7c7c7", "bucket": "#9edae5", "method": "#aec7e8"}[cat]
+            else:
+                colour = _colour_of(e["name"], palette, cmap)
+            ax.broken_barh([(x0, max(w, (t_hi - t_lo) * 2e-4))], (y - 0.4, 0.8),
+                           facecolors=colour, edgecolors="none")
+            if w > (t_hi - t_lo) * 0.06 and cat in ("phase", "method", "bucket"):
+                ax.text(x0 + w / 2, y, e["name"], ha="center", va="center", fontsize=7, clip_on=True)
+    ax.set_yticks(ticks)
+    ax.set_yticklabels(labels, fontsize=7)
+    ax.set_xlim(t_lo, t_hi)
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title or "timeline")
+    ax.grid(True, axis="x", alpha=0.3)
+    handles = [Patch(color=c, label=n) for n, c in palette.items()][:18]
+    handles += [Patch(color="#d62728", label="wait (request)"), Patch(color="#ff9896", label="agree (per-call)")]
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return save_figure(fig, path)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("timeline", help="read a timeline file: Gantt chart (PNG) or a table per rank",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", choices=("plot", "summary"))
+    p.add_argument("trace", help="the timeline file (trace-event JSON)")
+    p.add_argument("--out", default=None, help="PNG to write (plot; default: the trace's name with .png)")
+    p.add_argument("--start-ms", type=float, default=None, help="window start (ms on the trace's clock)")
+    p.add_argument("--end-ms", type=float, default=None, help="window end (ms)")
+    p.add_argument("--title", default="")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    trace = load_trace(args.trace)
+    if args.action == "summary":
+        print(summary_table(trace, args.start_ms, args.end_ms))
+        return 0
+    out = args.out or str(Path(args.trace).with_suffix(".png"))
+    print(plot_gantt(trace, out, args.title or Path(args.trace).name, args.start_ms, args.end_ms))
+    return 0
+
+
+__all__ = ["LANES", "load_trace", "plot_gantt", "seconds_by_name", "spans_by_rank", "summary_table"]
