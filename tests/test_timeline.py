@@ -107,6 +107,7 @@ def case_collectives_and_methods(comm):
         probes = [e for e in evs if e["name"] == "probe"]
         assert probes[0]["args"]["peer"] == (rank - 1) % p
         out[rank] = {
+            "clock_offset_s": trace["otherData"]["clock_offsets_s"][rank],
             "names": sorted(set(names)),
             "oktopk_calls": names.count("oktopk"), "topk_calls": names.count("topk"),
             "waits": sum(e["cat"] == "wait" for e in evs),
@@ -193,6 +194,8 @@ def test_every_rank_has_its_spans(results):
             assert name in got["names"], (rank, name, got["names"])
         assert got["oktopk_calls"] == 3 and got["topk_calls"] == 3
         assert got["waits"] >= 1 and got["agree"] >= 6
+        # one host: every rank reads the same monotonic clock, so the estimated offsets are ~0
+        assert abs(got["clock_offset_s"]) < 0.1, got["clock_offset_s"]
         # split-and-reduce sends one message to every other rank (Figure 2(c))
         assert set(got["split_peers"]) == set(range(p)) - {rank}, got
 

@@ -19,9 +19,9 @@ duration, and arguments such as bytes and peers) of
 (``"ph": "X"`` complete events in microseconds, one *process* per rank, one
 *thread* per recording thread; "Trace Event Format", Google, the format
 Perfetto and ``chrome://tracing`` open) and :func:`gather_trace` merges them
-on rank 0. The ranks' clocks are aligned at the merge: every rank reads its
-clock right after one barrier, and that instant is the same point of every
-rank's time line (exact on one host, within a barrier's skew between hosts).
+on rank 0. The ranks' clocks are aligned at the merge by ping-pongs with
+rank 0 (:func:`clock_offsets`, Cristian's algorithm): within half the
+shortest round trip, microseconds on one host or a LAN.
 
 Off, the cost of a probe is one module attribute test (``timeline.recorder
 is None``); on, a span costs about two clock reads and one list append.
@@ -32,6 +32,8 @@ import contextlib
 import threading
 import time
 from typing import Any, Iterator
+
+import numpy as np
 
 #: The recorder of this process while a timeline runs, else ``None`` (what every probe tests).
 recorder: "Recorder | None" = None
@@ -139,34 +141,60 @@ def trace_events(rank: int, rows: list[list[Any]], origin: float,
     return events
 
 
+#: Tag of the clock-offset ping-pong (:func:`clock_offsets`).
+TAG_CLOCK = 7401
+
+
+def clock_offsets(comm: Any, rounds: int = 8) -> list[float] | None:
+    """Each rank's ``time.perf_counter`` minus rank 0's, as rank 0 estimates it (``None`` elsewhere).
+
+    Rank 0 and each other rank exchange ``rounds`` ping-pongs: rank 0 sends at
+    ``t0``, the peer answers with its clock ``t1``, rank 0 receives at ``t2``;
+    the offset is ``t1 - (t0 + t2) / 2`` from the round with the shortest
+    round trip, off by at most half of it (Cristian's algorithm, as NTP
+    does). Collective over ``comm``.
+    """
+    if comm.rank != 0:
+        for _ in range(rounds):
+            comm.recv(0, TAG_CLOCK, dtype=np.float64)
+            comm.isend(np.array([time.perf_counter()]), 0, TAG_CLOCK).wait()
+        return None
+    offsets = [0.0] * comm.size
+    for peer in range(1, comm.size):
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            comm.isend(np.array([t0]), peer, TAG_CLOCK).wait()
+            t1 = float(comm.recv(peer, TAG_CLOCK, dtype=np.float64)[0])
+            t2 = time.perf_counter()
+            if t2 - t0 < best:
+                best, offsets[peer] = t2 - t0, t1 - (t0 + t2) / 2
+    return offsets
+
+
 def gather_trace(comm: Any, rec: "Recorder | None", metadata: dict[str, Any] | None = None
                  ) -> dict[str, Any] | None:
     """Every rank's spans merged into one trace (returned on rank 0, ``None`` elsewhere).
 
     Collective: every rank of ``comm`` calls it (with its own recorder, or
-    ``None`` for a rank that recorded nothing). The clocks are aligned at a
-    barrier (see the module docstring) and time 0 is the earliest span of any
-    rank. Stop the recorder first, or the gather records itself.
+    ``None`` for a rank that recorded nothing). Each rank's times are put on
+    rank 0's clock (:func:`clock_offsets`) and time 0 is the earliest span of
+    any rank. Stop the recorder first, or the gather records itself.
     """
     rows = [] if rec is None else list(rec.rows)
     names = {} if rec is None else rec.thread_names()
-    comm.barrier()
-    now = time.perf_counter()
-    first = min((r[2] for r in rows), default=now)
-    # each rank's rows relative to the shared instant; the earliest of all becomes 0
-    parts = comm.allgather_object((now - first, trace_events(comm.rank, rows, now, names)))
+    offsets = clock_offsets(comm) if comm.size > 1 else [0.0]
+    parts = comm.allgather_object((rows, names))
     if comm.rank != 0:
         return None
-    lead = max(p[0] for p in parts) * 1e6
+    starts = [r[2] - offsets[rank] for rank, (rws, _) in enumerate(parts) for r in rws]
+    origin = min(starts, default=0.0)
     events = []
-    for _, evs in parts:
-        for ev in evs:
-            if "ts" in ev:
-                ev["ts"] = round(ev["ts"] + lead, 3)
-            events.append(ev)
+    for rank, (rws, nms) in enumerate(parts):
+        events += trace_events(rank, rws, origin + offsets[rank], nms)
     return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"world_size": comm.size, **(metadata or {})}}
+            "otherData": {"world_size": comm.size, "clock_offsets_s": offsets, **(metadata or {})}}
 
 
-__all__ = ["AGREE", "MPI", "PHASE", "Recorder", "WAIT", "gather_trace", "recorder", "span",
+__all__ = ["AGREE", "MPI", "PHASE", "Recorder", "WAIT", "clock_offsets", "gather_trace", "recorder", "span",
            "start", "stop", "trace_events"]
