@@ -16,8 +16,9 @@ sparse), then ``--steps`` timed calls, all ranks starting each together (a barri
 the slowest rank's; the parts are each rank's seconds inside MPI (``Communicator.timings``), of which
 ``agree`` is the per-call agreement where a rank waits for late peers, and the rest outside MPI
 (selection, decompression, feedback). The median over calls is reported, with the ratio to TopkA's
-in the same run. The last timed call of each (method, gradient) is recorded as a timeline
-(``<name>_<method>_<kind>.json``, Chrome trace-event JSON, and a Gantt chart ``.png``).
+in the same run. The timed calls of each (method, gradient) are recorded as one timeline
+(``<name>_<method>_<kind>.json``, Chrome trace-event JSON) and the last of them drawn as a Gantt
+chart (``.png``; ``hvdc timeline plot --start-ms/--end-ms`` draws any other).
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from .timeline_view import plot_gantt, spans_by_rank
 
 KINDS = ("independent", "shared70")
 SHARED = 0.7
@@ -47,7 +50,7 @@ def gradient(kind: str, n: int, rank: int, step: int) -> np.ndarray:
 def measure(comm: Any, spec: str, kind: str, n: int, warm: int, steps: int,
             trace_path: Path | None) -> dict[str, Any]:
     """Time ``steps`` calls of method ``spec`` (``name`` or ``name:{json}``) after ``warm``; the
-    last one's timeline goes to ``trace_path`` (rank 0 writes it)."""
+    timed calls' timeline goes to ``trace_path`` (rank 0 writes it, and a chart of the last call)."""
     from ..compressors.registry import create
     from ..mpi_collectives import timeline
     from ..runtime.timeline_file import write_trace
@@ -63,12 +66,12 @@ def measure(comm: Any, spec: str, kind: str, n: int, warm: int, steps: int,
         last = step == warm + steps - 1
         comm.barrier()
         comm.reset_stats()
-        if last and trace_path is not None:
+        if step == warm and trace_path is not None:      # every timed call (the plot shows the last)
             rec = timeline.start()
         t0 = time.perf_counter()
         method.allreduce(g, "w", comm)
         wall = time.perf_counter() - t0
-        if rec is not None:
+        if last and rec is not None:
             timeline.stop()
         if step >= warm:
             t = comm.timings()
@@ -83,7 +86,19 @@ def measure(comm: Any, spec: str, kind: str, n: int, warm: int, steps: int,
         trace = timeline.gather_trace(comm, rec, {"method": spec, "gradient": kind, "n": n})
         if trace is not None:
             write_trace(trace, trace_path)
+            lo, hi = last_call_window(trace, name)
+            plot_gantt(trace, trace_path.with_suffix(".png"), f"{spec}, {kind} gradients, P = {comm.size}: "
+                       f"the last timed call", lo, hi)
     return out
+
+
+def last_call_window(trace: dict[str, Any], method: str) -> tuple[float, float]:
+    """The milliseconds of the last call of ``method`` in ``trace`` (earliest start to latest end
+    over the ranks), with a millisecond either side."""
+    spans = spans_by_rank(trace)
+    last = [max((e for e in evs if e["name"] == method and e["cat"] == "method"), key=lambda e: e["ts"])
+            for evs in spans.values()]
+    return min(e["ts"] for e in last) / 1e3 - 1, max(e["ts"] + e["dur"] for e in last) / 1e3 + 1
 
 
 def main(argv: list[str] | None = None) -> None:

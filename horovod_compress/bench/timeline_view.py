@@ -6,7 +6,8 @@ with a category. Perfetto (https://ui.perfetto.dev) and ``chrome://tracing``
 open it; where neither is at hand:
 
     hvdc timeline plot trace.json --out trace.png        # rank x phase Gantt chart
-    hvdc timeline summary trace.json                     # seconds per rank and span name
+    hvdc timeline summary trace.json                     # milliseconds per rank and span name
+    hvdc timeline summary trace.json --per-call oktopk   # the same per call (median over calls)
 
 The chart gives every rank five lanes, top to bottom: the step (training
 step, bucket, the method's call), the method's labelled phases, its local
@@ -81,6 +82,36 @@ def summary_table(trace: dict[str, Any], start_ms: float | None = None,
              "|---|" + "---:|" * len(ranks)]
     for k in names:
         lines.append(f"| {k} | " + " | ".join(f"{1e3 * per[r].get(k, 0.0):.2f}" for r in ranks) + " |")
+    return "\n".join(lines)
+
+
+def per_call_table(trace: dict[str, Any], method: str, top: int = 14) -> str:
+    """A markdown table: for each rank, the median over the calls of ``method`` (its ``method``
+    spans) of the milliseconds spent in each span name inside a call, and the call itself."""
+    import numpy as np
+    by_rank = spans_by_rank(trace)
+    per: dict[int, dict[str, list[float]]] = {}
+    for rank, evs in by_rank.items():
+        calls = [e for e in evs if e["name"] == method and e.get("cat") == "method"]
+        acc: dict[str, list[float]] = defaultdict(lambda: [0.0] * len(calls))
+        for i, c in enumerate(calls):
+            t0, t1 = c["ts"], c["ts"] + c["dur"]
+            acc[f"{method} (the call)"][i] = c["dur"] / 1e3
+            for e in evs:
+                if e is not c and e["ts"] >= t0 and e["ts"] + e["dur"] <= t1 + 1e-3:
+                    acc[f"{e['name']} [{e.get('cat', '')}]"][i] += e["dur"] / 1e3
+        per[rank] = dict(acc)
+    if not any(per.values()):
+        raise ValueError(f"no calls of {method!r} in the trace")
+    names = sorted({k for acc in per.values() for k in acc},
+                   key=lambda k: -max(float(np.median(per[r][k])) if k in per[r] else 0.0 for r in per))
+    ranks = sorted(per)
+    calls = min(len(next(iter(acc.values()))) for acc in per.values() if acc)
+    lines = [f"| median of {calls} calls (ms) | " + " | ".join(f"rank {r}" for r in ranks) + " |",
+             "|---|" + "---:|" * len(ranks)]
+    for k in names[:top]:
+        lines.append(f"| {k} | " + " | ".join(
+            f"{float(np.median(per[r][k])):.1f}" if k in per[r] else "-" for r in ranks) + " |")
     return "\n".join(lines)
 
 
@@ -159,17 +190,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--start-ms", type=float, default=None, help="window start (ms on the trace's clock)")
     p.add_argument("--end-ms", type=float, default=None, help="window end (ms)")
     p.add_argument("--title", default="")
+    p.add_argument("--per-call", metavar="METHOD", default=None,
+                   help="summary: the median over the calls of METHOD (e.g. oktopk) of each span inside a call")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     trace = load_trace(args.trace)
     if args.action == "summary":
-        print(summary_table(trace, args.start_ms, args.end_ms))
+        print(per_call_table(trace, args.per_call) if args.per_call else
+              summary_table(trace, args.start_ms, args.end_ms))
         return 0
     out = args.out or str(Path(args.trace).with_suffix(".png"))
     print(plot_gantt(trace, out, args.title or Path(args.trace).name, args.start_ms, args.end_ms))
     return 0
 
 
-__all__ = ["LANES", "load_trace", "plot_gantt", "seconds_by_name", "spans_by_rank", "summary_table"]
+__all__ = ["LANES", "load_trace", "per_call_table", "plot_gantt", "seconds_by_name", "spans_by_rank", "summary_table"]

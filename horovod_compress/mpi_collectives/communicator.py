@@ -308,6 +308,27 @@ class Communicator(FusingAccounting):
             self._account("p2p", 0, nbytes)
         return out
 
+    def recv_any(self, tag: int = 0, dtype: Any = np.float32) -> tuple[int, np.ndarray]:
+        """Blocking receive of the first message with ``tag`` to arrive from any rank:
+        ``(source, array)`` (matched probe on ``MPI.ANY_SOURCE``; sizes from the message).
+
+        For a caller that expects one message from each of several ranks and
+        would otherwise wait for them in a fixed order while later ones have
+        already arrived (:func:`~.oktopk.split_and_reduce`).
+        """
+        status = MPI.Status()
+        with self.in_mpi("p2p", span="probe"):
+            msg = self.comm.Mprobe(source=MPI.ANY_SOURCE, tag=tag, status=status)
+        source = status.Get_source()
+        dt = np.dtype(dtype)
+        nbytes = status.Get_count(MPI.BYTE)
+        out = np.empty(nbytes // dt.itemsize, dtype=dt)
+        with self.in_mpi("p2p", peer=source):
+            msg.Recv(out)
+        if source != self.rank:
+            self._account("p2p", 0, nbytes)
+        return source, out
+
     def irecv(self, buffer: np.ndarray, source: int, tag: int = 0) -> Request:
         """Non-blocking receive into a preallocated ``buffer`` of known size.
 
