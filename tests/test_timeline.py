@@ -247,6 +247,8 @@ def test_gantt_chart_and_table_of_a_trace(tmp_path):
     assert per[1]["wait [wait]"] == pytest.approx(0.004) and per[0]["wait [wait]"] == pytest.approx(0.002)
     table = timeline_view.summary_table(timeline_view.load_trace(path))
     assert "| wait [wait] | 2.00 | 4.00 |" in table
+    calls = timeline_view.per_call_table(timeline_view.load_trace(path), "oktopk")
+    assert "| wait [wait] | 2.0 | 4.0 |" in calls and "| oktopk (the call) | 10.0 | 10.0 |" in calls
     assert main(["timeline", "plot", str(path), "--out", str(tmp_path / "t.png")]) == 0
     assert (tmp_path / "t.png").stat().st_size > 10_000
     with pytest.raises(ValueError, match="traceEvents"):

@@ -115,10 +115,31 @@ def per_call_table(trace: dict[str, Any], method: str, top: int = 14) -> str:
     return "\n".join(lines)
 
 
-def _colour_of(name: str, palette: dict[str, Any], cmap: Any) -> Any:
-    if name not in palette:
-        palette[name] = cmap(len(palette) % 20)
-    return palette[name]
+#: Fixed colours: the categories of local work, waits and the collectives by kind (so the same
+#: colour means the same thing in every chart); a method's phases get the pastel palette.
+CATEGORY_COLOURS = {"compress": "#1f77b4", "decompress": "#9467bd", "feedback": "#8c564b",
+                    "wait": "#d62728", "agree": "#ff9896", "step": "#c7c7c7", "bucket": "#9edae5",
+                    "method": "#aec7e8"}
+MPI_COLOURS = {"allreduce": "#2ca02c", "allgather": "#17becf", "allgatherv": "#bcbd22",
+               "p2p": "#ff7f0e", "probe": "#ffbb78", "barrier": "#7f7f7f", "broadcast": "#e377c2",
+               "alltoall": "#98df8a", "alltoallv": "#98df8a"}
+
+
+def _colour_of(event: dict[str, Any], palette: dict[str, Any], cmap: Any) -> Any:
+    """The colour of a span; records it in ``palette`` (name -> colour) for the legend."""
+    cat, name = event.get("cat", ""), event["name"]
+    if cat == "mpi":
+        colour = MPI_COLOURS.get(name, "#c5b0d5")
+    elif cat in CATEGORY_COLOURS:
+        colour = CATEGORY_COLOURS[cat]
+        name = cat if cat in ("wait", "agree", "compress", "decompress", "feedback") else name
+    else:
+        phases = sum(1 for k in palette if k.startswith("phase: "))
+        colour = palette.get(f"phase: {name}", cmap(phases % 12))
+        name = f"phase: {name}"
+    if cat not in ("step", "bucket", "method"):
+        palette.setdefault(name, colour)
+    return colour
 
 
 def plot_gantt(trace: dict[str, Any], out: str | Path, title: str = "",
@@ -138,7 +159,7 @@ def plot_gantt(trace: dict[str, Any], out: str | Path, title: str = "",
     n_lanes = len(LANES)
     fig, ax = plt.subplots(figsize=(13, 1.1 + 1.25 * len(ranks)))
     palette: dict[str, Any] = {}
-    cmap = plt.get_cmap("tab20")
+    cmap = plt.get_cmap("Set3")
     t_lo = min(e["ts"] for evs in by_rank.values() for e in evs) / 1e3
     t_hi = max(e["ts"] + e["dur"] for evs in by_rank.values() for e in evs) / 1e3
     if start_ms is not None:
@@ -157,12 +178,7 @@ def plot_gantt(trace: dict[str, Any], out: str | Path, title: str = "",
             y = base + (n_lanes - 1 - lane)
             x0, w = e["ts"] / 1e3, e["dur"] / 1e3
             cat = e.get("cat", "")
-            if cat in ("wait", "agree"):
-                colour = "#d62728" if cat == "wait" else "#ff9896"
-            elif cat in ("step", "bucket", "method"):
-                colour = {"step": "#c7c7c7", "bucket": "#9edae5", "method": "#aec7e8"}[cat]
-            else:
-                colour = _colour_of(e["name"], palette, cmap)
+            colour = _colour_of(e, palette, cmap)
             ax.broken_barh([(x0, max(w, (t_hi - t_lo) * 2e-4))], (y - 0.4, 0.8),
                            facecolors=colour, edgecolors="none")
             if w > (t_hi - t_lo) * 0.06 and cat in ("phase", "method", "bucket"):
@@ -173,8 +189,7 @@ def plot_gantt(trace: dict[str, Any], out: str | Path, title: str = "",
     ax.set_xlabel("time (ms)")
     ax.set_title(title or "timeline")
     ax.grid(True, axis="x", alpha=0.3)
-    handles = [Patch(color=c, label=n) for n, c in palette.items()][:18]
-    handles += [Patch(color="#d62728", label="wait (request)"), Patch(color="#ff9896", label="agree (per-call)")]
+    handles = [Patch(color=c, label=n) for n, c in palette.items()][:20]
     ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
