@@ -93,7 +93,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
                    help="per-call message sizes of each method (default <out>/<name>_calls.json); a measuring "
                         "run records the missing P first, on shared memory (see bench/e2e_calls.py)")
     p.add_argument("--timeline", metavar="DIR", default=None,
-                   help="write the timeline of one measured step per method (its last in the first round) to "
+                   help="write the timeline of the measured steps of each method's first round to "
                         "DIR/<name>_p<P>-<bandwidth>_<method>.json (Chrome trace-event JSON; docs/timeline.md)")
     p.add_argument("--rerender", metavar="JSON", nargs="+", default=None,
                    help="re-analyse and re-render earlier runs' JSON (no measurement); several files are "

@@ -342,7 +342,7 @@ def measure_method(name: str, params: dict[str, Any], model_name: str, comm: Any
                    timeline_path: str | None = None) -> tuple[Any, list[dict[str, Any]]]:
     """Train ``warm + steps`` steps with a fresh method ``name`` and model; (the method, one record
     per measured step). The batches are those of steps ``first_batch``, ``first_batch + 1``, ...
-    ``timeline_path``: write the last measured step's timeline there (rank 0)."""
+    ``timeline_path``: write the measured steps' timeline there (rank 0)."""
     import torch
 
     from ..compressors.registry import create
@@ -370,7 +370,7 @@ def _steps(comm: Any, model: Any, model_name: str, opt: Any, clock: "_ExchangeCl
            warm: int, steps: int, records: list[dict[str, Any]], first_batch: int = 0,
            timeline_path: str | None = None) -> None:
     """Run ``warm + steps`` training steps; append the measured ones' parts to ``records``; the
-    last one recorded as a timeline into ``timeline_path`` when given."""
+    measured ones recorded as a timeline into ``timeline_path`` when given."""
     from ..mpi_collectives import timeline
     rec = None
     for step in range(warm + steps):
@@ -379,7 +379,7 @@ def _steps(comm: Any, model: Any, model_name: str, opt: Any, clock: "_ExchangeCl
         comm.reset_stats()
         clock.reset()
         ring.reset()
-        if timeline_path is not None and step == warm + steps - 1:
+        if timeline_path is not None and step == warm:
             rec = timeline.start()
         t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad()
@@ -387,7 +387,7 @@ def _steps(comm: Any, model: Any, model_name: str, opt: Any, clock: "_ExchangeCl
         loss.backward()
         opt.step()
         total, cpu = time.perf_counter() - t0, time.process_time() - c0
-        if rec is not None:
+        if rec is not None and step == warm + steps - 1:
             timeline.stop()
         timings = comm.timings()
         mpi, mpi_cpu = timings["total"], timings["cpu_total"]
@@ -410,7 +410,7 @@ def _steps(comm: Any, model: Any, model_name: str, opt: Any, clock: "_ExchangeCl
                             "ops": {k: v for k, v in st["by_op"].items()}, "ring": ring.as_dict()})
     if rec is not None:
         from ..runtime.timeline_file import write_trace
-        trace = timeline.gather_trace(comm, rec, {"model": model_name, "step": "last measured"})
+        trace = timeline.gather_trace(comm, rec, {"model": model_name, "steps": "the measured ones"})
         if trace is not None:
             write_trace(trace, timeline_path)
 
@@ -479,7 +479,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", required=True)
     parser.add_argument("--timeline", default=None, metavar="PREFIX",
-                        help="write one measured step's timeline per method to PREFIX_<method>.json")
+                        help="write each method's measured steps (first round) as a timeline to PREFIX_<method>.json")
     return parser
 
 

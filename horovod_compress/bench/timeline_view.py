@@ -125,6 +125,10 @@ MPI_COLOURS = {"allreduce": "#2ca02c", "allgather": "#17becf", "allgatherv": "#b
                "alltoall": "#98df8a", "alltoallv": "#98df8a"}
 
 
+#: Half the bar height of the kinds that nest inside each other in the step lane.
+NESTED_HALF_HEIGHT = {"step": 0.4, "bucket": 0.28, "method": 0.16}
+
+
 def _colour_of(event: dict[str, Any], palette: dict[str, Any], cmap: Any) -> Any:
     """The colour of a span; records it in ``palette`` (name -> colour) for the legend."""
     cat, name = event.get("cat", ""), event["name"]
@@ -179,9 +183,10 @@ def plot_gantt(trace: dict[str, Any], out: str | Path, title: str = "",
             x0, w = e["ts"] / 1e3, e["dur"] / 1e3
             cat = e.get("cat", "")
             colour = _colour_of(e, palette, cmap)
-            ax.broken_barh([(x0, max(w, (t_hi - t_lo) * 2e-4))], (y - 0.4, 0.8),
+            half = NESTED_HALF_HEIGHT.get(cat, 0.4)    # nested kinds of the step lane: thinner
+            ax.broken_barh([(x0, max(w, (t_hi - t_lo) * 2e-4))], (y - half, 2 * half),
                            facecolors=colour, edgecolors="none")
-            if w > (t_hi - t_lo) * 0.06 and cat in ("phase", "method", "bucket"):
+            if w > (t_hi - t_lo) * 0.06 and cat in ("phase", "method"):
                 ax.text(x0 + w / 2, y, e["name"], ha="center", va="center", fontsize=7, clip_on=True)
     ax.set_yticks(ticks)
     ax.set_yticklabels(labels, fontsize=7)

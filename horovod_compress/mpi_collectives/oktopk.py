@@ -87,6 +87,7 @@ and use only its accounted operations.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, MutableMapping
 
@@ -727,6 +728,11 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
                 exact_global = True
             u_idx, u_val, balanced = balance_and_allgatherv(
                 comm, g_idx, g_val, schedule.balance_factor, counts)
+        rec = timeline.recorder
+        if rec is not None:         # every rank's share of u: the regions' balance, as a mark
+            now = time.perf_counter()
+            rec.add("oktopk.global_counts", timeline.PHASE, now, now,
+                    {"counts": [int(c) for c in counts], "balanced": bool(balanced)})
         state["global_th"] = (gth if exact_global else
                               _nudge(gth, u_idx.size, k, schedule.low, schedule.high,
                                      schedule.global_scale_up, schedule.global_scale_down))
