@@ -296,17 +296,7 @@ class Communicator(FusingAccounting):
 
     def recv(self, source: int, tag: int = 0, dtype: Any = np.float32) -> np.ndarray:
         """Blocking receive of a message of unknown length (matched probe)."""
-        status = MPI.Status()
-        with self.in_mpi("p2p", peer=source, span="probe"):
-            msg = self.comm.Mprobe(source=source, tag=tag, status=status)
-        dt = np.dtype(dtype)
-        nbytes = status.Get_count(MPI.BYTE)
-        out = np.empty(nbytes // dt.itemsize, dtype=dt)
-        with self.in_mpi("p2p", peer=source):
-            msg.Recv(out)
-        if source != self.rank:
-            self._account("p2p", 0, nbytes)
-        return out
+        return self._probed_recv(source, tag, dtype)[1]
 
     def recv_any(self, tag: int = 0, dtype: Any = np.float32) -> tuple[int, np.ndarray]:
         """Blocking receive of the first message with ``tag`` to arrive from any rank:
@@ -316,9 +306,14 @@ class Communicator(FusingAccounting):
         would otherwise wait for them in a fixed order while later ones have
         already arrived (:func:`~.oktopk.split_and_reduce`).
         """
+        return self._probed_recv(None, tag, dtype)
+
+    def _probed_recv(self, source: int | None, tag: int, dtype: Any) -> tuple[int, np.ndarray]:
+        """Matched probe (on ``source``, or any rank for ``None``), then receive what it matched."""
         status = MPI.Status()
-        with self.in_mpi("p2p", span="probe"):
-            msg = self.comm.Mprobe(source=MPI.ANY_SOURCE, tag=tag, status=status)
+        with self.in_mpi("p2p", peer=source, span="probe"):
+            msg = self.comm.Mprobe(source=MPI.ANY_SOURCE if source is None else source, tag=tag,
+                                   status=status)
         source = status.Get_source()
         dt = np.dtype(dtype)
         nbytes = status.Get_count(MPI.BYTE)
