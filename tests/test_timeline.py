@@ -251,6 +251,9 @@ def test_gantt_chart_and_table_of_a_trace(tmp_path):
     assert "| wait [wait] | 2.0 | 4.0 |" in calls and "| oktopk (the call) | 10.0 | 10.0 |" in calls
     assert main(["timeline", "plot", str(path), "--out", str(tmp_path / "t.png")]) == 0
     assert (tmp_path / "t.png").stat().st_size > 10_000
+    cost = timeline_view.probe_cost(calls=50, repeats=1)      # runs both ways, leaves it off
+    assert set(cost) == {f"{k}_{w}_s" for k in ("span", "in_mpi", "allreduce") for w in ("off", "on")}
+    assert timeline.recorder is None
     with pytest.raises(ValueError, match="traceEvents"):
         (tmp_path / "bad.json").write_text("{}")
         timeline_view.load_trace(tmp_path / "bad.json")

@@ -8,6 +8,7 @@ open it; where neither is at hand:
     hvdc timeline plot trace.json --out trace.png        # rank x phase Gantt chart
     hvdc timeline summary trace.json                     # milliseconds per rank and span name
     hvdc timeline summary trace.json --per-call oktopk   # the same per call (median over calls)
+    hvdc timeline cost                                   # what a probe point costs, off and on
 
 The chart gives every rank five lanes, top to bottom: the step (training
 step, bucket, the method's call), the method's labelled phases, its local
@@ -201,11 +202,52 @@ def plot_gantt(trace: dict[str, Any], out: str | Path, title: str = "",
     return save_figure(fig, path)
 
 
+def probe_cost(calls: int = 20_000, repeats: int = 5) -> dict[str, float]:
+    """Seconds per probe point with the timeline off and on (best of ``repeats`` x ``calls``), in
+    one process: a ``timeline.span`` block, a communicator's ``in_mpi`` block and a 16-float
+    allreduce at P = 1."""
+    import time
+
+    import numpy as np
+
+    from ..mpi_collectives import Communicator, timeline
+    if timeline.recorder is not None:
+        raise ValueError("a timeline is recording in this process; measure without one")
+    comm = Communicator()
+    x = np.ones(16, np.float32)
+
+    def in_mpi() -> None:
+        with comm.in_mpi("p2p", peer=0):
+            pass
+
+    def span() -> None:
+        with timeline.span("x"):
+            pass
+    probes = {"span": span, "in_mpi": in_mpi, "allreduce": lambda: comm.allreduce(x)}
+
+    def best(fn: Any) -> float:
+        out = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            out.append((time.perf_counter() - t0) / calls)
+        return min(out)
+    result = {f"{k}_off_s": best(fn) for k, fn in probes.items()}
+    timeline.start()
+    try:
+        result.update({f"{k}_on_s": best(fn) for k, fn in probes.items()})
+    finally:
+        timeline.stop()
+    return result
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("timeline", help="read a timeline file: Gantt chart (PNG) or a table per rank",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("action", choices=("plot", "summary"))
-    p.add_argument("trace", help="the timeline file (trace-event JSON)")
+    p.add_argument("action", choices=("plot", "summary", "cost"),
+                   help="cost: what a probe point costs with the timeline off and on (no trace needed)")
+    p.add_argument("trace", nargs="?", default=None, help="the timeline file (trace-event JSON)")
     p.add_argument("--out", default=None, help="PNG to write (plot; default: the trace's name with .png)")
     p.add_argument("--start-ms", type=float, default=None, help="window start (ms on the trace's clock)")
     p.add_argument("--end-ms", type=float, default=None, help="window end (ms)")
@@ -216,6 +258,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "cost":
+        for key, sec in probe_cost().items():
+            print(f"{key:16s} {sec * 1e6:8.2f} us")
+        return 0
+    if args.trace is None:
+        raise ValueError(f"hvdc timeline {args.action} needs a trace file")
     trace = load_trace(args.trace)
     if args.action == "summary":
         print(per_call_table(trace, args.per_call) if args.per_call else
@@ -226,4 +274,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-__all__ = ["LANES", "load_trace", "per_call_table", "plot_gantt", "seconds_by_name", "spans_by_rank", "summary_table"]
+__all__ = ["LANES", "load_trace", "per_call_table", "plot_gantt", "probe_cost", "seconds_by_name", "spans_by_rank", "summary_table"]
