@@ -257,3 +257,24 @@ def test_gantt_chart_and_table_of_a_trace(tmp_path):
     with pytest.raises(ValueError, match="traceEvents"):
         (tmp_path / "bad.json").write_text("{}")
         timeline_view.load_trace(tmp_path / "bad.json")
+
+
+@pytest.mark.horovod
+def test_horovod_timeline_beside_horovods_own(tmp_path):
+    """Horovod itself with one of our methods: Horovod writes its timeline to HOROVOD_TIMELINE,
+    ours (every rank's exchange) goes beside it as <stem>.hvdc.json."""
+    pytest.importorskip("horovod.torch")
+    from horovod_compress.testing import horovodrun_command
+    for name in ("_report.py", "pytorch_synthetic_benchmark.py"):
+        (tmp_path / name).write_text((Path(__file__).parent / "horovod_examples" / name).read_text())
+    env = mpi_env({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
+                   "HVD_EXAMPLE_OUT": str(tmp_path), "HOROVOD_TIMELINE": str(tmp_path / "t.json")})
+    env.pop("HVDC_LAUNCHED", None)
+    proc = subprocess.run([*horovodrun_command(2), sys.executable, str(tmp_path / "pytorch_synthetic_benchmark.py"),
+                           "--compression", "topk"], capture_output=True, text=True, timeout=400, env=env,
+                          cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "t.json").stat().st_size > 0            # Horovod's own
+    spans = check_trace(json.loads((tmp_path / "t.hvdc.json").read_text()), 2)
+    for rank in (0, 1):
+        assert {"topk", "allgather", "agree", "topk.select"} <= {e["name"] for e in spans[rank]}
