@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cluster": ("cluster", "emulated cluster: hosts in network namespaces with shaped links"),
     "model": ("model_cmd", "alpha-beta model: step time, speedup, break-even bandwidth per method"),
     "profile": ("profile_cmd", "profile your own training step for dense and candidate methods"),
+    "timeline": ("timeline_view", "read a timeline file (HOROVOD_TIMELINE): Gantt chart or table per rank"),
 }
 
 #: ``hvdc bench <name>``: name -> (module in horovod_compress.bench, help).

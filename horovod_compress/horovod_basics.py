@@ -22,6 +22,7 @@ import numpy as np
 
 # Reduction ops. Average and Sum are the values our front-ends have always used
 # (runtime.ops); Horovod's integer constants (Average=0 ... Product=5) are accepted too.
+from .runtime import timeline_file
 from .runtime.ops import Average, Sum
 
 Adasum = "adasum"
@@ -242,17 +243,19 @@ def rocm_built() -> bool:
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Horovod's timeline: refused (per-operation bytes and seconds are in ``communicator().stats()``)."""
-    raise NotImplementedError(
-        "horovod_compress has no Horovod timeline; per-operation bytes and seconds are in "
-        "communicator().stats() and communicator().timings()")
+    """Horovod's ``start_timeline``: record every rank's phases into ``file_path`` (collective).
+
+    Chrome trace-event JSON, one process per rank, written merged by rank 0
+    at :func:`stop_timeline` or exit (docs/timeline.md); ``HOROVOD_TIMELINE``
+    starts the same at the first exchange. ``mark_cycles`` (Horovod's
+    background-loop cycles) has no counterpart: there is no background loop.
+    """
+    timeline_file.start_timeline(communicator(), file_path)
 
 
 def stop_timeline() -> None:
-    """Horovod's timeline: refused (see :func:`start_timeline`)."""
-    raise NotImplementedError(
-        "horovod_compress has no Horovod timeline; per-operation bytes and seconds are in "
-        "communicator().stats() and communicator().timings()")
+    """Horovod's ``stop_timeline``: stop recording and write the file on rank 0 (collective)."""
+    timeline_file.stop_timeline()
 
 
 def check_extension(ext_name: str, ext_env_var: str, pkg_path: str, *args: Any) -> None:

@@ -2,7 +2,7 @@
 
 ``from ..horovod_common import *`` in the PyTorch, TensorFlow and Keras
 front-ends: the reduction ops, process sets, ``is_initialized``, the
-"built"/"enabled" flags and the (refused) timeline, all from
+"built"/"enabled" flags and the timeline (start_timeline/stop_timeline), all from
 :mod:`horovod_compress.horovod_basics`.
 """
 from .horovod_basics import (  # noqa: F401 - re-exported

@@ -187,9 +187,6 @@ def test_elastic_launch_refused_with_clear_message(monkeypatch):
 
 def test_refused_names_say_why():
     import horovod_compress.tensorflow as hvdc_tf
-    import horovod_compress.torch as hvdc_torch
-    with pytest.raises(NotImplementedError, match="timeline"):
-        hvdc_torch.start_timeline("/tmp/t.json")
     with pytest.raises(NotImplementedError, match="SyncBatchNormalization"):
         hvdc_tf.SyncBatchNormalization()
     with pytest.raises(RuntimeError, match="eager"):

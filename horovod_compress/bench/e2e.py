@@ -92,6 +92,9 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--call-sizes", metavar="JSON", default=None,
                    help="per-call message sizes of each method (default <out>/<name>_calls.json); a measuring "
                         "run records the missing P first, on shared memory (see bench/e2e_calls.py)")
+    p.add_argument("--timeline", metavar="DIR", default=None,
+                   help="write the timeline of the measured steps of each method's first round to "
+                        "DIR/<name>_p<P>-<bandwidth>_<method>.json (Chrome trace-event JSON; docs/timeline.md)")
     p.add_argument("--rerender", metavar="JSON", nargs="+", default=None,
                    help="re-analyse and re-render earlier runs' JSON (no measurement); several files are "
                         "merged into one report, e.g. P=2 and P=4 measured in two invocations")
@@ -130,10 +133,12 @@ def _worker_command(p: int, methods: list[str], args: argparse.Namespace, json_p
                     local: bool) -> list[str]:
     from ..testing import mpirun_command
     mpirun = mpirun_command(p) if local else ["mpirun", "-np", str(p)]
+    timeline = ([] if getattr(args, "timeline", None) is None else
+                ["--timeline", os.path.abspath(os.path.join(args.timeline, f"{args.name}_{Path(json_path).stem}"))])
     return mpirun + [sys.executable, "-m", "horovod_compress.bench.e2e_worker",
                      "--methods", ",".join(methods), "--model", args.model, "--steps", str(args.steps),
                      "--warm", str(args.warm), "--rounds", str(args.rounds),
-                     "--probe-repeats", str(args.probe_repeats), "--json", json_path]
+                     "--probe-repeats", str(args.probe_repeats), "--json", json_path, *timeline]
 
 
 class RanksDidNotStart(RuntimeError):

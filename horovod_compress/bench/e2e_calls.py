@@ -205,8 +205,8 @@ def call_sizes(methods: list[str], model_name: str, comm: Any,
     plain_in_mpi = comm.in_mpi
 
     @contextlib.contextmanager
-    def restarting_after_agreement(op: str) -> Iterator[None]:
-        with plain_in_mpi(op):
+    def restarting_after_agreement(op: str, **where: Any) -> Iterator[None]:
+        with plain_in_mpi(op, **where):
             yield
         if op == AGREE_OP:      # the ranks just met: the next call's wait is for work since here
             restart_clock(agreement=True)

@@ -339,10 +339,12 @@ class _ExchangeClock:
         self.wall = self.cpu = 0.0
 
 def measure_method(name: str, params: dict[str, Any], model_name: str | Workload, comm: Any, steps: int,
-                   warm: int, seed: int, first_batch: int = 0) -> tuple[Any, list[dict[str, Any]]]:
+                   warm: int, seed: int, first_batch: int = 0,
+                   timeline_path: str | None = None) -> tuple[Any, list[dict[str, Any]]]:
     """Train ``warm + steps`` steps with a fresh method ``name`` and model; (the method, one record
     per measured step). The batches are those of steps ``first_batch``, ``first_batch + 1``, ...
-    ``model_name``: one of the benchmark models, or a :class:`~.workload.Workload`."""
+    ``model_name``: one of the benchmark models, or a :class:`~.workload.Workload`.
+    ``timeline_path``: write the measured steps' timeline there (rank 0)."""
     import torch
 
     from ..compressors.registry import create
@@ -361,26 +363,35 @@ def measure_method(name: str, params: dict[str, Any], model_name: str | Workload
     ring = RingTransport()
     records: list[dict[str, Any]] = []
     with ring.installed():
-        _steps(comm, model, workload, opt, clock, ring, warm, steps, records, first_batch)
+        _steps(comm, model, workload, opt, clock, ring, warm, steps, records, first_batch,
+               timeline_path)
     opt.close()
     return method, records
 
 
 def _steps(comm: Any, model: Any, workload: Workload, opt: Any, clock: "_ExchangeClock", ring: RingTransport,
-           warm: int, steps: int, records: list[dict[str, Any]], first_batch: int = 0) -> None:
-    """Run ``warm + steps`` training steps; append the measured ones' parts to ``records``."""
+           warm: int, steps: int, records: list[dict[str, Any]], first_batch: int = 0,
+           timeline_path: str | None = None) -> None:
+    """Run ``warm + steps`` training steps; append the measured ones' parts to ``records``; the
+    measured ones recorded as a timeline into ``timeline_path`` when given."""
+    from ..mpi_collectives import timeline
+    rec = None
     for step in range(warm + steps):
         x, y = workload.step_batch(comm.rank, first_batch + step)
         comm.barrier()
         comm.reset_stats()
         clock.reset()
         ring.reset()
+        if timeline_path is not None and step == warm:
+            rec = timeline.start()
         t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad()
         loss = workload.loss(model, x, y)
         loss.backward()
         opt.step()
         total, cpu = time.perf_counter() - t0, time.process_time() - c0
+        if rec is not None and step == warm + steps - 1:
+            timeline.stop()
         timings = comm.timings()
         mpi, mpi_cpu = timings["total"], timings["cpu_total"]
         # the calls' agreement (runtime/consistency.py) is where a rank waits for peers still
@@ -400,6 +411,11 @@ def _steps(comm: Any, model: Any, workload: Workload, opt: Any, clock: "_Exchang
                             "comm_cpu_s": mpi_cpu - wait_cpu,
                             "sent": st["sent"], "received": st["received"],
                             "ops": {k: v for k, v in st["by_op"].items()}, "ring": ring.as_dict()})
+    if rec is not None:
+        from ..runtime.timeline_file import write_trace
+        trace = timeline.gather_trace(comm, rec, {"model": workload.name, "steps": "the measured ones"})
+        if trace is not None:
+            write_trace(trace, timeline_path)
 
 
 def _summary(method: Any, comm: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -465,6 +481,8 @@ def _parser() -> argparse.ArgumentParser:
                              "one after the last)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", required=True)
+    parser.add_argument("--timeline", default=None, metavar="PREFIX",
+                        help="write each method's measured steps (first round) as a timeline to PREFIX_<method>.json")
     return parser
 
 
@@ -515,8 +533,11 @@ def _main(args: argparse.Namespace) -> None:
             if label in result["methods"]:          # failed in an earlier round
                 continue
             try:
+                trace = (None if args.timeline is None or rnd > 0 else
+                         f"{args.timeline}_{''.join(c if c.isalnum() or c in '-_' else '_' for c in label)}.json")
                 methods[label], got = measure_method(name, params, args.model, comm, args.steps, args.warm,
-                                                     args.seed, first_batch=rnd * (args.warm + args.steps))
+                                                     args.seed, first_batch=rnd * (args.warm + args.steps),
+                                                     timeline_path=trace)
                 records[label] += got
             except Exception as exc:  # noqa: BLE001 - every rank raises the same; record and go on
                 if rank0:

@@ -39,7 +39,9 @@ from ..kernels.arrays import (
     to_device_like,
     to_host,
 )
+from ..mpi_collectives import timeline as _timeline
 from ..runtime import world as _world
+from ..runtime.timeline_file import ensure_env_timeline
 from ..runtime.consistency import NEW_SIGNATURE, NONFINITE, TensorMismatchError, agree, check_same_signature
 from ..params import check_int
 
@@ -177,6 +179,15 @@ class Method:
         off with ``HVDC_ABORT_ON_EXCEPTION=0``).
         """
         _world.ensure_abort_on_exception(comm)   # once per process; a flag test afterwards
+        ensure_env_timeline(comm)                # HOROVOD_TIMELINE: likewise
+        rec = _timeline.recorder
+        if rec is None:
+            return self._allreduce(grad, name, comm)
+        with rec.span(self.name, "method", tensor=name, numel=int(np.size(grad))):
+            return self._allreduce(grad, name, comm)
+
+    def _allreduce(self, grad: Any, name: str, comm: Any) -> Any:
+        """:meth:`allreduce`'s work (the timeline, when one records, wraps it in a span)."""
         if is_gpu_array(grad):
             if not (self.gpu_native and is_cupy(grad)):
                 self.device_calls["staged"] += 1

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from ..kernels.arrays import as_module_array, get_array_module
+from ..mpi_collectives import timeline as _timeline
 from .base import Method, TensorState
 from ..params import check_float, check_int
 from .registry import register
@@ -199,9 +200,11 @@ class OkTopk(Method):
         res = ok_sparse_allreduce(comm, flat, self.k_for(flat.size), step, state,
                                   self.schedule(), addends=addends, scratch=scratch,
                                   gate=self._gate)
-        avg = densify(flat.size, res.indices, res.values, comm.size, flat.dtype)
+        with _timeline.span("oktopk.densify", "decompress", entries=int(res.indices.size)):
+            avg = densify(flat.size, res.indices, res.values, comm.size, flat.dtype)
         if residual:
-            cancel_at(flat, res.involved)      # EF14: e = acc - local, local = acc on involved
+            with _timeline.span("feedback.residual", "feedback"):
+                cancel_at(flat, res.involved)  # EF14: e = acc - local, local = acc on involved
             return avg.reshape(shape), None
         if not self.feedback.uses_local:
             return avg.reshape(shape), None

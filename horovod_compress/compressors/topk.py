@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..kernels.arrays import get_array_module
+from ..mpi_collectives import timeline as _timeline
 from .base import TensorState
 from .registry import register
 from .sparse_common import (
@@ -98,11 +99,12 @@ class TopkA(DensitySparsifier):
         out_idx, out_val = msg[:k].view(np.int32), msg[k:]
         flat = acc.reshape(-1)
         report: dict = {}
-        real = add_topk(x.reshape(-1), e.reshape(-1), flat, k, out_idx, out_val,
-                        scratch=self.__dict__.setdefault("_select_scratch", {}), report=report)
-        if real is None:     # no usable sampled bound: acc is written, select over it
-            _idx, _val, real = exact_topk_coo(flat, k, out_idx=out_idx, out_val=out_val,
-                                              scratch=self._select_scratch)
+        with _timeline.span("topk.select", "compress"):
+            real = add_topk(x.reshape(-1), e.reshape(-1), flat, k, out_idx, out_val,
+                            scratch=self.__dict__.setdefault("_select_scratch", {}), report=report)
+            if real is None:     # no usable sampled bound: acc is written, select over it
+                _idx, _val, real = exact_topk_coo(flat, k, out_idx=out_idx, out_val=out_val,
+                                                  scratch=self._select_scratch)
         return self._exchange(msg, k, real, flat, name, comm, acc.shape,
                               finite=report.get("finite"), residual=True)
 
@@ -113,8 +115,10 @@ class TopkA(DensitySparsifier):
         k = k_from_density(self.name, self.density, n)
         itype = np.int32
         msg = np.empty(2 * k, np.float32)
-        _idx, _val, real = exact_topk_coo(flat, k, out_idx=msg[:k].view(itype), out_val=msg[k:],
-                                          scratch=self.__dict__.setdefault("_select_scratch", {}))
+        with _timeline.span("topk.select", "compress"):
+            _idx, _val, real = exact_topk_coo(
+                flat, k, out_idx=msg[:k].view(itype), out_val=msg[k:],
+                scratch=self.__dict__.setdefault("_select_scratch", {}))
         return self._exchange(msg, k, real, flat, name, comm, x.shape)
 
     def _exchange(self, msg: np.ndarray, k: int, real: int, flat: np.ndarray, name: str, comm: Any,
@@ -136,10 +140,12 @@ class TopkA(DensitySparsifier):
         gathered = comm.allgather(msg)  # (P, 2k) words
         all_idx = np.ascontiguousarray(gathered[:, :k]).view(itype).reshape(-1)
         all_val = np.ascontiguousarray(gathered[:, k:]).reshape(-1)
-        avg = scatter_sum(n, all_idx, all_val, flat.dtype, scale=1.0 / comm.size)
+        with _timeline.span("topk.scatter_sum", "decompress", entries=int(all_idx.size)):
+            avg = scatter_sum(n, all_idx, all_val, flat.dtype, scale=1.0 / comm.size)
         if residual:
             from ..kernels.scatter import cancel_at
-            cancel_at(flat, idx, real)
+            with _timeline.span("feedback.residual", "feedback"):
+                cancel_at(flat, idx, real)
             return avg.reshape(shape), None
         if not self.feedback.uses_local:   # e.g. feedback="none": nobody reads local
             return avg.reshape(shape), None

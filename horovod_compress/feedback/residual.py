@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..kernels.arrays import get_array_module
+from ..mpi_collectives import timeline as _timeline
 from .base import Feedback, register_feedback
 
 
@@ -65,6 +66,14 @@ class ResidualFeedback(Feedback):
         if result is not None and local is None:   # the fused method left acc - local in acc
             state["fb_residual"] = acc
             return avg
+        with _timeline.span("feedback.residual", "feedback"):
+            self._forget_sent(method, acc, local, name, xp)
+        state["fb_residual"] = acc
+        return avg
+
+    @staticmethod
+    def _forget_sent(method: Any, acc: Any, local: Any, name: str, xp: Any) -> None:
+        """``e = acc - local`` in ``acc`` (O(k) over ``local``'s support when the method knows it)."""
         support = method.local_support(name, local) if acc.flags.c_contiguous else None
         if support is None:
             xp.subtract(acc, local, out=acc)
@@ -75,5 +84,3 @@ class ResidualFeedback(Feedback):
                 subtract_at(flat, lflat, support)   # compiled: one read-modify-write per index
             else:
                 flat[support] -= lflat[support]
-        state["fb_residual"] = acc
-        return avg

@@ -18,6 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+from . import timeline as _timeline
+
 
 @dataclass
 class OpStats:
@@ -68,7 +70,8 @@ class PendingRequest:
     def wait(self) -> Any:
         """Block until the operation completed; return its result."""
         if not self._done:
-            with contextlib.nullcontext() if self._comm is None else self._comm.in_mpi(self._op):
+            with (contextlib.nullcontext() if self._comm is None
+                  else self._comm.in_mpi(self._op, span="wait")):
                 self._wait_transfers()
             self._complete()
         return self._result
@@ -81,12 +84,17 @@ class PhaseLabel:
 
     @contextlib.contextmanager
     def phase(self, label: str) -> Iterator[None]:
-        """Attribute the bytes of the enclosed calls to ``label`` as well."""
+        """Attribute the bytes of the enclosed calls to ``label`` as well (and, while a
+        timeline records, show the block as a span ``label``)."""
         previous, self._phase = self._phase, label
+        rec = _timeline.recorder
+        start = time.perf_counter() if rec is not None else 0.0
         try:
             yield
         finally:
             self._phase = previous
+            if rec is not None:
+                rec.add(label, _timeline.PHASE, start, time.perf_counter())
 
 
 def allreduce_volume(nbytes: float, p: int) -> float:
@@ -170,12 +178,36 @@ class Accounting(PhaseLabel):
                     "cpu_total": self._cpu_seconds, "cpu_by_op": dict(self._cpu_by_op)}
 
     @contextlib.contextmanager
-    def in_mpi(self, op: str) -> Iterator[None]:
+    def in_mpi(self, op: str, peer: int | None = None, span: str | None = None) -> Iterator[None]:
         """Time the enclosed collective call(s) under ``op`` (nested uses count once).
 
         Named as on the mpi4py communicator so the core calls one method on
-        either backend.
+        either backend. While a timeline records (:mod:`.timeline`), the call
+        is also a span: named ``span`` (default ``op``; ``"wait"`` for a
+        request's wait, ``"agree"`` for the per-call agreement), with the
+        ``peer`` of a point-to-point call and the bytes counted for it.
         """
+        rec = _timeline.recorder
+        if rec is not None:
+            with self._in_mpi_timed(op):
+                start = time.perf_counter()
+                try:
+                    yield
+                finally:
+                    name = span or op
+                    cat = (_timeline.WAIT if name == "wait" else
+                           _timeline.AGREE if name == "agree" else _timeline.MPI)
+                    args: dict[str, Any] = {"op": op} if name != op else {}
+                    if peer is not None:
+                        args["peer"] = int(peer)
+                    rec.add(name, cat, start, time.perf_counter(), args)
+            return
+        with self._in_mpi_timed(op):
+            yield
+
+    @contextlib.contextmanager
+    def _in_mpi_timed(self, op: str) -> Iterator[None]:
+        """:meth:`in_mpi`'s seconds: wall and thread CPU time under ``op``."""
         depth = getattr(self._timing_depth, "value", 0)
         self._timing_depth.value = depth + 1
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -216,15 +248,22 @@ class Accounting(PhaseLabel):
         its bytes read as the collective's on every backend.
         """
         self._suspended = getattr(self, "_suspended", 0) + 1
+        rec = _timeline.recorder
+        start = time.perf_counter() if rec is not None else 0.0
         try:
             yield
         finally:
             self._suspended -= 1
+        if rec is not None:      # the stand-in as one span of ``op`` (its bytes added just below)
+            rec.add(op, _timeline.MPI, start, time.perf_counter(), {"as": "point-to-point"})
         self._account(op, sent, received)
 
     def _account(self, op: str, sent: float, received: float) -> None:
         if getattr(self, "_suspended", 0):
             return
+        rec = _timeline.recorder
+        if rec is not None:
+            rec.add_bytes(op, sent, received)
         with self._lock:
             self._stats.sent += sent
             self._stats.received += received

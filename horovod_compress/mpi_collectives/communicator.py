@@ -56,11 +56,12 @@ def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
 
 @contextlib.contextmanager
 def _timed(comm: "Communicator | None", op: str) -> Iterator[None]:
-    """Add the enclosed wall time to ``comm``'s seconds in MPI (no-op without a communicator)."""
+    """Add the enclosed wall time (a wait for requests) to ``comm``'s seconds in MPI under ``op``
+    (no-op without a communicator)."""
     if comm is None:
         yield
         return
-    with comm.in_mpi(op):
+    with comm.in_mpi(op, span="wait"):
         yield
 
 
@@ -285,7 +286,7 @@ class Communicator(FusingAccounting):
         else:
             send = _contiguous(to_host(array))
             nbytes = send.nbytes
-        with self.in_mpi("p2p"):
+        with self.in_mpi("p2p", peer=dest):
             req = self.comm.Isend(send, dest=dest, tag=tag)
         if dest != self.rank:
             self._account("p2p", nbytes, 0)
@@ -295,17 +296,33 @@ class Communicator(FusingAccounting):
 
     def recv(self, source: int, tag: int = 0, dtype: Any = np.float32) -> np.ndarray:
         """Blocking receive of a message of unknown length (matched probe)."""
+        return self._probed_recv(source, tag, dtype)[1]
+
+    def recv_any(self, tag: int = 0, dtype: Any = np.float32) -> tuple[int, np.ndarray]:
+        """Blocking receive of the first message with ``tag`` to arrive from any rank:
+        ``(source, array)`` (matched probe on ``MPI.ANY_SOURCE``; sizes from the message).
+
+        For a caller that expects one message from each of several ranks and
+        would otherwise wait for them in a fixed order while later ones have
+        already arrived (:func:`~.oktopk.split_and_reduce`).
+        """
+        return self._probed_recv(None, tag, dtype)
+
+    def _probed_recv(self, source: int | None, tag: int, dtype: Any) -> tuple[int, np.ndarray]:
+        """Matched probe (on ``source``, or any rank for ``None``), then receive what it matched."""
         status = MPI.Status()
-        with self.in_mpi("p2p"):
-            msg = self.comm.Mprobe(source=source, tag=tag, status=status)
+        with self.in_mpi("p2p", peer=source, span="probe"):
+            msg = self.comm.Mprobe(source=MPI.ANY_SOURCE if source is None else source, tag=tag,
+                                   status=status)
+        source = status.Get_source()
         dt = np.dtype(dtype)
         nbytes = status.Get_count(MPI.BYTE)
         out = np.empty(nbytes // dt.itemsize, dtype=dt)
-        with self.in_mpi("p2p"):
+        with self.in_mpi("p2p", peer=source):
             msg.Recv(out)
         if source != self.rank:
             self._account("p2p", 0, nbytes)
-        return out
+        return source, out
 
     def irecv(self, buffer: np.ndarray, source: int, tag: int = 0) -> Request:
         """Non-blocking receive into a preallocated ``buffer`` of known size.
@@ -318,7 +335,7 @@ class Communicator(FusingAccounting):
             self._account("p2p", 0, nbytes)
         if is_gpu_array(buffer) and not self.device.cuda_aware:
             host = np.empty(tuple(buffer.shape), dtype=np.dtype(buffer.dtype))
-            with self.in_mpi("p2p"):
+            with self.in_mpi("p2p", peer=source):
                 req = self.comm.Irecv(host, source=source, tag=tag)
 
             def to_device() -> Any:
@@ -328,7 +345,7 @@ class Communicator(FusingAccounting):
                     buffer.copy_to_device(host)
                 return buffer
             return Request(req, on_complete=to_device, comm=self, op="p2p")
-        with self.in_mpi("p2p"):
+        with self.in_mpi("p2p", peer=source):
             req = self.comm.Irecv(buffer, source=source, tag=tag)
         return Request(req, result=buffer, comm=self, op="p2p")
 

@@ -111,7 +111,7 @@ class _Proxy(PhaseLabel):
         return getattr(self._round.real, "backend", "mpi")
 
     @contextlib.contextmanager
-    def in_mpi(self, op: str) -> Iterator[None]:
+    def in_mpi(self, op: str, **_: Any) -> Iterator[None]:
         yield
 
     def allreduce(self, array: Any, op: Any = "sum") -> Any:

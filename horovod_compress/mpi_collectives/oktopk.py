@@ -11,7 +11,9 @@ vector (Section 3.1), computed with two phases of communication:
    bucket's entries reduced while the current one is in flight. Rank j ends
    with ``reduced_j``, the sum over ranks restricted to region j. Volume
    about ``2k(P-1)/P`` words per rank (Equation 1). Receivers learn sizes
-   from the messages (matched probes), so no size exchange precedes them.
+   from the messages (matched probes), so no size exchange precedes them,
+   and take them in the order they arrive (:func:`receive_bucket`; ours,
+   the sums are formed in schedule order all the same).
 2. :func:`balance_and_allgatherv` (Section 3.1.2, Figure 3): rank j keeps the
    entries of ``reduced_j`` with ``|v| >= global_th``; the counts are
    allgathered; when the largest count exceeds ``balance_factor`` times the
@@ -85,6 +87,7 @@ and use only its accounted operations.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, MutableMapping
 
@@ -101,6 +104,7 @@ from ..kernels.oktopk_fused import (
     select_at_least,
 )
 from ..kernels.selection import kth_largest_abs, select_by_threshold, select_topk
+from . import timeline
 from .coo_messages import (
     allgatherv_entries,
     as_bytes,
@@ -213,15 +217,39 @@ def split_and_reduce(comm: Any, indices: np.ndarray, values: np.ndarray,
         return merge_sum(acc_idx, acc_val, cat["index"], cat["value"], starts)
 
     in_flight: list[np.ndarray] = []
+    early: dict[int, np.ndarray] = {}
     for bucket in rotation_schedule(r, p, bucket_size):
         sends = [comm.isend(as_bytes(entries[cuts[dst]:cuts[dst + 1]]), dst, TAG_SPLIT)
                  for dst, _ in bucket]
         # overlap: reduce the previous bucket while this one is on the wire
         acc_idx, acc_val = reduce_into(acc_idx, acc_val, in_flight)
-        in_flight = [comm.recv(src, TAG_SPLIT, dtype=np.uint8) for _, src in bucket]
+        in_flight = receive_bucket(comm, [src for _, src in bucket], early)
         wait_all(sends)
     acc_idx, acc_val = reduce_into(acc_idx, acc_val, in_flight)
     return acc_idx.astype(np.int64, copy=False), acc_val.astype(values.dtype)
+
+
+def receive_bucket(comm: Any, sources: list[int], early: dict[int, np.ndarray]) -> list[np.ndarray]:
+    """One split-and-reduce message from each of ``sources``, returned in the order of ``sources``.
+
+    Received in the order they arrive (``comm.recv_any``, where the backend
+    has it): waiting for the sources in schedule order would leave a rank
+    blocked on a late peer while the others' messages wait, already sent --
+    and, for messages above the eager limit, not even moved, since a
+    rendezvous transfer starts only when its receive is posted. Every rank
+    sends exactly one message with ``TAG_SPLIT`` to each other rank per call,
+    so one from a later bucket's source is kept in ``early`` for its bucket.
+    The sums do not depend on the order of arrival: :func:`split_and_reduce`
+    reduces the messages in schedule order.
+    """
+    recv_any = getattr(comm, "recv_any", None)
+    if recv_any is None:
+        return [comm.recv(src, TAG_SPLIT, dtype=np.uint8) for src in sources]
+    got = {src: early.pop(src) for src in sources if src in early}
+    while len(got) < len(sources):
+        src, data = recv_any(TAG_SPLIT, dtype=np.uint8)
+        (got if src in sources else early)[src] = data
+    return [got[src] for src in sources]
 
 
 def wait_all(requests: list[Any]) -> None:
@@ -622,8 +650,12 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
     # lines 2-4: local threshold, exact every tau' steps, reused (and nudged) otherwise
     th = float(state.get("local_th", 0.0))
     exact_local = first_of_period or "local_th" not in state or th <= 0.0
-    idx, val, th, local_reused, exact_local = _local_selection(
-        acc, addends, th, exact_local, k, schedule.local_guard, scratch, gate)
+    with timeline.span("oktopk.local_selection", "compress", exact=bool(exact_local)) as where:
+        idx, val, th, local_reused, exact_local = _local_selection(
+            acc, addends, th, exact_local, k, schedule.local_guard, scratch, gate)
+        if where is not None:       # a timeline records: which rank re-evaluated, and how many it kept
+            where.update(k=int(k), selected=int(idx.size), selected_by_reused=int(local_reused),
+                         re_evaluated=bool(exact_local))
     idx, val = to_host(idx), to_host(val)
     state["local_th"] = (th if exact_local else
                          _nudge(th, idx.size, k, schedule.low, schedule.high,
@@ -696,6 +728,11 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
                 exact_global = True
             u_idx, u_val, balanced = balance_and_allgatherv(
                 comm, g_idx, g_val, schedule.balance_factor, counts)
+        rec = timeline.recorder
+        if rec is not None:         # every rank's share of u: the regions' balance, as a mark
+            now = time.perf_counter()
+            rec.add("oktopk.global_counts", timeline.PHASE, now, now,
+                    {"counts": [int(c) for c in counts], "balanced": bool(balanced)})
         state["global_th"] = (gth if exact_global else
                               _nudge(gth, u_idx.size, k, schedule.low, schedule.high,
                                      schedule.global_scale_up, schedule.global_scale_down))
@@ -714,5 +751,5 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
 __all__ = ["OkTopkResult", "OkTopkSchedule", "abs_key", "agree_boundaries", "balance",
            "balance_and_allgatherv", "balanced_shares", "distributed_kth_largest_abs",
            "local_region_boundaries", "max_abs_key", "radix_bits_for", "radix_rounds",
-           "repartition_due", "rotation_schedule", "ok_sparse_allreduce", "region_cuts",
+           "receive_bucket", "repartition_due", "rotation_schedule", "ok_sparse_allreduce", "region_cuts",
            "split_and_reduce"]

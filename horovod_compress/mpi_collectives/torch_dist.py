@@ -596,7 +596,7 @@ class TorchCommunicator(FusingAccounting):
         dist = _dist()
         header = np.array([payload.size], dtype=np.int64)
         works = []
-        with self.in_mpi("p2p"):
+        with self.in_mpi("p2p", peer=dest):
             works.append(dist.isend(_as_tensor(header), self._global(dest), group=self._group,
                                     tag=2 * tag))
             if payload.size:
@@ -616,7 +616,7 @@ class TorchCommunicator(FusingAccounting):
             return data.view(dt).copy()
         dist = _dist()
         header = np.empty(1, dtype=np.int64)
-        with self.in_mpi("p2p"):
+        with self.in_mpi("p2p", peer=source):
             dist.recv(_as_tensor(header), self._global(source), group=self._group, tag=2 * tag)
             out = np.empty(int(header[0]), dtype=np.uint8)
             if out.size:
@@ -648,7 +648,7 @@ class TorchCommunicator(FusingAccounting):
         header = np.empty(1, dtype=np.int64)
         target = buffer.reshape(-1).view(np.uint8)
         works = []
-        with self.in_mpi("p2p"):
+        with self.in_mpi("p2p", peer=source):
             works.append(dist.irecv(_as_tensor(header), self._global(source), group=self._group,
                                     tag=2 * tag))
             if nbytes:

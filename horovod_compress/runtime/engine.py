@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..kernels.arrays import as_module_array, get_array_module, is_gpu_array
+from ..mpi_collectives import timeline as _timeline
 from .buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorSpec, plan_buckets
 from .consistency import check_same_tensors
 from .per_tensor import PerTensorReducer
@@ -68,6 +69,7 @@ class GradientExchange:
         self._error: BaseException | None = None
         self._done = threading.Event()
         self._launched = 0
+        self._arrivals: tuple[float, float] | None = None   # first and last submit (timeline)
 
     def submit(self, name: str, grad: np.ndarray) -> None:
         """Hand in this rank's gradient ``name`` for the current step (a NumPy or CuPy array)."""
@@ -82,6 +84,9 @@ class GradientExchange:
                                f"(use backward_passes_per_step to accumulate)")
         self._inputs[b][j] = grad
         self._missing[b] -= 1
+        if _timeline.recorder is not None:      # the backward pass as the exchange sees it
+            now = time.perf_counter()
+            self._arrivals = (self._arrivals[0] if self._arrivals else now, now)
         self._launch_ready()
 
     def pending(self) -> list[str]:
@@ -118,7 +123,14 @@ class GradientExchange:
             while self._launched < len(self.buckets):
                 self._done.wait()
                 self._done.clear()
-        self.wait_seconds += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.wait_seconds += t1 - t0
+        rec = _timeline.recorder
+        if rec is not None:
+            if self._arrivals is not None:
+                rec.add("gradients arriving", "step", *self._arrivals, {"buckets": len(self.buckets)})
+            if self.overlap:
+                rec.add("wait for buckets", _timeline.WAIT, t0, t1)
         error, results = self._error, self._results
         self._reset_step()
         if error is not None:
@@ -136,6 +148,10 @@ class GradientExchange:
     # ------------------------------------------------------------- reducing
     def _reduce_bucket(self, b: int) -> None:
         bucket = self.buckets[b]
+        with _timeline.span(f"bucket {b}", "bucket", tensors=len(bucket.specs), fused=bucket.name):
+            self._reduce_bucket_timed(b, bucket)
+
+    def _reduce_bucket_timed(self, b: int, bucket: Bucket) -> None:
         t0 = time.perf_counter()
         try:
             inputs = self._inputs[b]

@@ -47,6 +47,7 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 
 from ..kernels.arrays import get_array_module, to_host
+from ..mpi_collectives import timeline as _timeline
 from ..mpi_collectives.accounting import reduce_scatter_volume
 from .hook_buckets import FLAT_PREFIX, HookBuckets, flat_key
 from .per_tensor import PerTensorReducer
@@ -150,7 +151,9 @@ class HookExchange:
         try:
             if self._active is None:
                 self._begin()
-            self._bucket(bucket)
+            with _timeline.span("bucket", "bucket", tensors=len(bucket.names),
+                                numel=int(bucket.numel), last=bool(bucket.is_last)):
+                self._bucket(bucket)
             st.bytes_sent += max(comm.bytes_sent - sent0, 0.0)
             st.bytes_received += max(comm.bytes_received - received0, 0.0)
             dense = reduce_scatter_volume if getattr(bucket, "scatter", False) \

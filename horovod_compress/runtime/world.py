@@ -31,6 +31,8 @@ import time
 import traceback
 from typing import Any
 
+from .timeline_file import ensure_env_timeline
+
 _COMM: Any = None
 
 ABORT_ENV = "HVDC_ABORT_ON_EXCEPTION"
@@ -225,6 +227,7 @@ class FrontEndWorld:
             _COMM = Communicator(comm)
         elif _COMM is None:
             _COMM = Communicator()
+        ensure_env_timeline(_COMM)
         if abort_on_exception is None:
             install_abort_on_exception()
         elif abort_on_exception:

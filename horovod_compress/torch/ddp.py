@@ -92,6 +92,7 @@ import torch
 from ..compressors.base import Method
 from ..runtime.delegate import delegated
 from ..runtime.hook import ArraySlot, HookExchange
+from ..runtime.timeline_file import ensure_env_timeline, stop_timeline, timeline_running
 from ..runtime.scaling import check_method
 from .optimizer import from_safe_state, to_safe_state
 from .tensors import tensor_slot
@@ -154,6 +155,7 @@ class HookState:
         self._process_group = process_group
         self._owns_comm = comm is None and process_group is not None
         self._comm = comm if comm is not None else self._make_comm()
+        ensure_env_timeline(self._comm)     # HOROVOD_TIMELINE (also read by the first allreduce)
         self.exchange = HookExchange(method, self._comm)
         self._names: dict[int, str] = {}
         if model is not None:
@@ -208,6 +210,8 @@ class HookState:
         buckets afterwards.
         """
         from ..mpi_collectives.torch_dist import release_default_communicator
+        if timeline_running(self._comm):
+            stop_timeline()                   # its merge needs the communicator: write it first
         if self._owns_comm:
             self._comm.close()
         else:

@@ -14,7 +14,7 @@ Horovod scripts write ``hvd.Compression.fp16`` -- and, for ``allreduce``,
 runs the method's compressed allreduce (``op`` Average or Sum; Adasum, Min,
 Max and Product reduce uncompressed). Asynchronous calls run when issued and
 return a completed handle. What cannot be done on a fixed MPI world says so
-when called: the timeline, and elastic membership changes.
+when called: elastic membership changes.
 """
 from __future__ import annotations
 

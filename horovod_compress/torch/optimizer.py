@@ -26,6 +26,7 @@ checkpoint; every NumPy array comes back with its dtype, shape and bytes.
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 from ..compressors.base import Method
+from ..mpi_collectives import timeline as _timeline
 from ..runtime.buckets import DEFAULT_BUCKET_BYTES, TensorSpec
 from ..runtime.delegate import delegated
 from ..runtime.ops import Average
@@ -129,10 +131,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 opt._hvdc_hook(p)
 
         self._hvdc_hooks = [p.register_post_accumulate_grad_hook(hook) for p in all_params]
+        self._hvdc_since: float | None = None    # end of the last step or zero_grad (timeline)
 
     # ------------------------------------------------------------- hooks
     def _hvdc_hook(self, p: torch.Tensor) -> None:
         key = id(p)
+        rec = _timeline.recorder
+        if rec is not None and self._hvdc_since is not None:
+            # the step's compute up to its first gradient: forward and the start of backward
+            rec.add("forward + backward to first gradient", "step", self._hvdc_since,
+                    time.perf_counter())
+            self._hvdc_since = None
         self._hvdc_passes[key] += 1
         if self._hvdc_passes[key] < self.backward_passes_per_step:
             return
@@ -153,7 +162,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         following ``step()`` leaves the parameters and the wrapped
         optimizer's state as they are.
         """
-        averaged = self._hvdc_session.finish()
+        with _timeline.span("synchronize", "step"):
+            averaged = self._hvdc_session.finish()
         for p in self._hvdc_params:
             avg = averaged[self._hvdc_names[id(p)]]
             if p.grad is None or p.grad.is_sparse:  # unused parameter: Horovod gives it the
@@ -180,12 +190,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hvdc_synchronized = False
         if self._hvdc_session.step_skipped:
             return None
-        return super(self.__class__, self).step(closure)
+        with _timeline.span("optimizer update", "step"):
+            out = super(self.__class__, self).step(closure)
+        self._hvdc_since = time.perf_counter()
+        return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if any(n >= self.backward_passes_per_step for n in self._hvdc_passes.values()):
             raise RuntimeError("zero_grad() was called after backward() and before step() or "
                                "synchronize(): the gradients' allreduce is in flight")
+        self._hvdc_since = time.perf_counter()
         return super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     def close(self) -> None:
