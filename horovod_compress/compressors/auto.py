@@ -39,8 +39,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..kernels.arrays import is_cupy, is_gpu_array, to_device_like, to_host
 from ..params import check_float, check_int
 from ..runtime import world as _world
+from ..runtime.consistency import TensorMismatchError
 from .auto_decide import Decision, DriftMonitor, choose, predict_exchange
 from .auto_measure import CallClock, MeasureHook, measure_candidates
 from .base import Method, TensorState
@@ -65,7 +67,7 @@ log = logging.getLogger(__name__)
 def _candidate(item: Any, seed: int) -> Method:
     """A candidate method from a name, an uncalled ``Compression.<name>`` or a method."""
     if isinstance(item, str):
-        method = create(item, seed=seed) if item != "none" else create(item)
+        method = create(item, seed=seed)
     elif isinstance(item, MethodFactory):
         method = item()
     elif isinstance(item, Method):
@@ -192,12 +194,19 @@ class Auto(Method):
     def allreduce(self, grad: Any, name: str, comm: Any) -> Any:
         """The average of ``grad`` over ranks by the method chosen for bucket ``name``."""
         _world.ensure_abort_on_exception(comm)
+        if is_gpu_array(grad):          # CuPy: each candidate runs as it runs CuPy; others staged
+            if not is_cupy(grad):
+                self.device_calls["staged"] += 1
+                return to_device_like(self.allreduce(to_host(grad), name, comm), grad)
+            self.device_calls["native"] += 1
         self._calls[name] = self._calls.get(name, 0) + 1
         decision = self._decisions.get(name)
         if decision is None:
             self._decide(grad, name, comm, "first call")
         elif decision.world_size != comm.size:
             self._decide(grad, name, comm, "world size")
+        elif decision.numel != grad.size:
+            self._decide(grad, name, comm, "new shape")
         elif name in self._redecide:
             self._decide(grad, name, comm, "drift")
         inner = self._active = self.candidates[self._decisions[name].chosen]
@@ -227,7 +236,18 @@ class Auto(Method):
 
     # ------------------------------------------------------------- decisions
     def _decide(self, grad: Any, name: str, comm: Any, reason: str) -> None:
-        """Measure every candidate on this bucket, choose, log, and switch if the choice changed."""
+        """Measure every candidate on this bucket, choose, log, and switch if the choice changed.
+
+        First the ranks check that they hold the same bucket and the same ``auto``, by the
+        agreement every call of every method starts with (a 1-byte allgather, then a digest
+        allgather where a rank's signature is new; :class:`TensorMismatchError` on every rank
+        otherwise), before any dry run.
+        """
+        try:
+            self._agree_step(comm, self._signature(grad, np.dtype(grad.dtype), name), True)
+        except TensorMismatchError:
+            self._calls[name] -= 1          # the call did not happen on any rank
+            raise
         self._redecide.discard(name)
         current = self._decisions.get(name)
         labels = list(self.candidates)
