@@ -295,13 +295,15 @@ def test_choose_budget_tie_and_margin():
     assert chosen == "fp16" and ok == [False, False, False]
 
 
-def test_drift_monitor_band_and_patience():
-    m = DriftMonitor(predicted_s=1.0, window=2, band=0.5, patience=2)
-    assert not m.observe(1.0) and m.observe(1.2)
-    assert not m.close_window(1.1)                       # inside the band
-    assert not m.close_window(2.0) and m.close_window(0.5)   # two windows out of band in a row
+def test_drift_monitor_reference_band_and_patience():
+    m = DriftMonitor(predicted_s=0.5, window=3, band=0.5, patience=2)
+    assert not m.observe(1.0) and not m.observe(9.0) and m.observe(1.2)
+    assert m.ratio() == pytest.approx(2.4)                 # the median: one slow step does not count
+    assert not m.close_window(2.0) and m.reference == 2.0  # the first window is the reference
+    assert not m.close_window(2.8)                         # 1.4x the reference: inside the band
+    assert not m.close_window(4.0) and m.close_window(1.0)   # two windows out of band in a row
     assert m.strikes == 2
-    assert not m.close_window(1.0) and m.strikes == 0
+    assert not m.close_window(2.0) and m.strikes == 0
 
 
 def test_accepted_everywhere_a_method_is_and_checks_its_arguments():

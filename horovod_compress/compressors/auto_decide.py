@@ -21,15 +21,18 @@ it unless the best is faster by more than ``switch_margin`` (a fraction of
 the current one's prediction): the first half of the hysteresis.
 
 **Drift.** After a decision, every real step's exchange time (outside the
-agreement's wait) is summed over a window of ``window`` steps; at the end
-of a window the ranks agree on the largest ratio measured / predicted (one
-8-byte allreduce). A ratio outside ``[1 / (1 + band), 1 + band]`` in
-``patience`` windows in a row triggers a new measurement and decision: the
-second half of the hysteresis (one slow step, or one slow window, does not).
+agreement's wait) is divided by the prediction; at the end of a window of
+``window`` steps the ranks agree on the largest median of that ratio (one
+8-byte allreduce). The first window is the reference (the model's bias on
+this bucket); a later window whose ratio, divided by the reference, leaves
+``[1 / (1 + band), 1 + band]`` is a strike, and ``patience`` strikes in a
+row trigger a new measurement and decision: the second half of the
+hysteresis (one slow step, or one slow window, does not).
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from statistics import median
 from typing import Any, Sequence
 
 from ..cost_model import OpCount, StepProfile, fit_link, predict
@@ -116,30 +119,41 @@ def choose(labels: Sequence[str], predicted: Sequence[float], errors: Sequence[f
 
 @dataclass
 class DriftMonitor:
-    """One bucket's measured exchange time against its prediction, in windows of steps."""
+    """One bucket's measured exchange time against its prediction, in windows of steps.
+
+    A window's statistic is the median of its steps' measured / predicted seconds (one step
+    slowed by the scheduler does not move it). The first window after a decision is the
+    reference: the model's error on this bucket as the real steps meet it (a method's steady
+    steps differ from its dry run by a stable factor: buffers already allocated, thresholds
+    reused); later windows are compared with it, so the band measures a change of the link,
+    not the model's own bias.
+    """
 
     predicted_s: float
     window: int
     band: float
     patience: int
-    steps: int = 0
-    measured_s: float = 0.0
+    samples: list = field(default_factory=list)
+    reference: float | None = None
     strikes: int = 0
 
     def observe(self, seconds: float) -> bool:
         """Add one step's measured seconds; ``True`` when a window is complete (time to agree)."""
-        self.steps += 1
-        self.measured_s += seconds
-        return self.steps >= self.window
+        self.samples.append(seconds / max(self.predicted_s, 1e-9))
+        return len(self.samples) >= self.window
 
     def ratio(self) -> float:
-        """This rank's window: mean measured / predicted."""
-        return (self.measured_s / max(self.steps, 1)) / max(self.predicted_s, 1e-9)
+        """This rank's window: the median of measured / predicted."""
+        return float(median(self.samples)) if self.samples else 1.0
 
     def close_window(self, agreed_ratio: float) -> bool:
         """Start a new window after the ranks agreed on ``agreed_ratio``; ``True``: decide again."""
-        self.steps, self.measured_s = 0, 0.0
-        outside = agreed_ratio > 1.0 + self.band or agreed_ratio < 1.0 / (1.0 + self.band)
+        self.samples = []
+        if self.reference is None:
+            self.reference = max(agreed_ratio, 1e-12)
+            return False
+        drift = agreed_ratio / self.reference
+        outside = drift > 1.0 + self.band or drift < 1.0 / (1.0 + self.band)
         self.strikes = self.strikes + 1 if outside else 0
         return self.strikes >= self.patience
 
