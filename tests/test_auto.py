@@ -299,11 +299,14 @@ def test_drift_monitor_reference_band_and_patience():
     m = DriftMonitor(predicted_s=0.5, window=3, band=0.5, patience=2)
     assert not m.observe(1.0) and not m.observe(9.0) and m.observe(1.2)
     assert m.ratio() == pytest.approx(2.4)                 # the median: one slow step does not count
-    assert not m.close_window(2.0) and m.reference == 2.0  # the first window is the reference
-    assert not m.close_window(2.8)                         # 1.4x the reference: inside the band
-    assert not m.close_window(4.0) and m.close_window(1.0)   # two windows out of band in a row
+    assert not m.close_window(1.2) and m.reference == 1.2  # the first window is the reference
+    assert not m.close_window(1.6)                         # 1.33x the reference: inside the band
+    assert not m.close_window(2.0) and m.close_window(0.5)   # two windows out of band in a row
     assert m.strikes == 2
-    assert not m.close_window(2.0) and m.strikes == 0
+    assert not m.close_window(1.2) and m.strikes == 0
+    late = DriftMonitor(predicted_s=1.0, window=1, band=0.5, patience=1)
+    assert not late.close_window(10.0) and late.reference == 1.5   # clamped: a change within the
+    assert late.close_window(10.0)                                 # first window still shows
 
 
 def test_accepted_everywhere_a_method_is_and_checks_its_arguments():

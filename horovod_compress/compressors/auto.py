@@ -9,10 +9,11 @@ alpha-beta timeline, but with link constants given by hand and the
 algorithm chosen by the user. ``auto`` measures and chooses:
 
 1. On a bucket's first call (and whenever it decides again) every candidate
-   runs ``dry_runs`` times on a throw-away copy of itself, on a copy of the
-   bucket, on the communicator given: its compression time, its collectives'
-   calls, bytes and seconds at the bucket's own message sizes, and its
-   relative error against the exact average (:mod:`.auto_measure`). A tiny
+   runs ``dry_runs`` times (in turn with the others; its fastest call counts)
+   on a throw-away copy of itself, on a copy of the bucket, on the
+   communicator given: its compression time, its collectives' calls, bytes
+   and seconds at the bucket's own message sizes, and its relative error
+   against the exact average (:mod:`.auto_measure`). A tiny
    probe of each collective gives the latency term. The ranks agree on the
    numbers (their maximum over ranks), so all take the same decision.
 2. The alpha-beta model prices every candidate; the fastest whose error is
@@ -98,7 +99,8 @@ class Auto(Method):
     error_budget: the largest relative compression error ``||avg_c - avg|| / ||avg||`` a
         candidate may show on the bucket (measured at each decision) to be chosen; ``None``:
         no limit (each default candidate is an accepted method at its paper's defaults).
-    dry_runs: timed calls per candidate at each decision (the last one is the measurement).
+    dry_runs: timed calls per candidate at each decision, in rounds over the candidates
+        (its fastest call is the measurement).
     probe_repeats: repeats of each collective's tiny (latency) probe.
     window, band, patience: a new decision when the mean measured / predicted exchange time
         of ``patience`` consecutive windows of ``window`` steps leaves ``[1/(1+band), 1+band]``.

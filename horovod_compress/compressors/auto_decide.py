@@ -24,7 +24,7 @@ the current one's prediction): the first half of the hysteresis.
 agreement's wait) is divided by the prediction; at the end of a window of
 ``window`` steps the ranks agree on the largest median of that ratio (one
 8-byte allreduce). The first window is the reference (the model's bias on
-this bucket); a later window whose ratio, divided by the reference, leaves
+this bucket, clamped to the band); a later window whose ratio, divided by the reference, leaves
 ``[1 / (1 + band), 1 + band]`` is a strike, and ``patience`` strikes in a
 row trigger a new measurement and decision: the second half of the
 hysteresis (one slow step, or one slow window, does not).
@@ -125,7 +125,8 @@ class DriftMonitor:
     slowed by the scheduler does not move it). The first window after a decision is the
     reference: the model's error on this bucket as the real steps meet it (a method's steady
     steps differ from its dry run by a stable factor: buffers already allocated, thresholds
-    reused); later windows are compared with it, so the band measures a change of the link,
+    reused), clamped to the band, so a link that changed within that first window still
+    shows; later windows are compared with it, so the band measures a change of the link,
     not the model's own bias.
     """
 
@@ -149,8 +150,8 @@ class DriftMonitor:
     def close_window(self, agreed_ratio: float) -> bool:
         """Start a new window after the ranks agreed on ``agreed_ratio``; ``True``: decide again."""
         self.samples = []
-        if self.reference is None:
-            self.reference = max(agreed_ratio, 1e-12)
+        if self.reference is None:     # the model's bias, as far as the band allows
+            self.reference = min(max(agreed_ratio, 1.0 / (1.0 + self.band)), 1.0 + self.band)
             return False
         drift = agreed_ratio / self.reference
         outside = drift > 1.0 + self.band or drift < 1.0 / (1.0 + self.band)
