@@ -78,10 +78,12 @@ class Decision:
     switched: bool = True
 
     def as_dict(self) -> dict[str, Any]:
+        """The decision as plain values (what ``decisions()`` and checkpoints hold)."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Decision":
+        """The inverse of :meth:`as_dict`."""
         return cls(**d)
 
     def line(self) -> str:
@@ -159,6 +161,7 @@ class DriftMonitor:
         return self.strikes >= self.patience
 
     def as_dict(self) -> dict[str, Any]:
+        """The monitor's fields as plain values (checkpoints)."""
         return asdict(self)
 
 

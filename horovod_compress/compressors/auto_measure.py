@@ -78,6 +78,7 @@ class Measurement:
     ops: dict[str, OpProbe] = field(default_factory=dict)
 
     def mpi_s(self) -> float:
+        """Seconds inside MPI over every collective of the call."""
         return sum(o.seconds for o in self.ops.values())
 
     def as_vector(self) -> list[float]:
@@ -90,6 +91,7 @@ class Measurement:
 
     @classmethod
     def from_vector(cls, v: Sequence[float]) -> "Measurement":
+        """The inverse of :meth:`as_vector` (ops without calls left out)."""
         m = cls(float(v[0]), float(v[1]))
         for i, op in enumerate(OPS):
             calls, sent, received, seconds, tiny = (float(a) for a in v[2 + 5 * i: 7 + 5 * i])
