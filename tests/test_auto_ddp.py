@@ -68,6 +68,8 @@ def _train(rank: int, steps: range, hook_state: dict | None, model_state: dict |
     flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()]).numpy()
     digest = hashlib.sha256(flat.tobytes()).hexdigest()
     decisions = sorted((b, d["chosen"]) for b, d in method.decisions().items())
+    shown = hook.state.statistics()["decisions"]          # what the hook's statistics report
+    assert sorted((b, d["chosen"]) for b, d in shown.items()) == decisions
     hook.state.close()
     return digest, decisions, saved
 
