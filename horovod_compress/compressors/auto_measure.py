@@ -40,6 +40,10 @@ OPS = ("allreduce", "allgather", "allgatherv", "allgather_object", "alltoall", "
        "broadcast", "p2p")
 #: Bytes of the tiny probe's message (the latency term).
 TINY_BYTES = 8
+#: After a decision's first round of dry runs, only candidates within this factor of the
+#: fastest run again (the others cannot win: their first call's one-off costs are small next
+#: to such a gap).
+PRUNE_FACTOR = 3.0
 #: Timing op of the per-call agreement (a wait for peers, not the method's exchange).
 AGREE_OP = "agree"
 
@@ -222,7 +226,8 @@ def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
 
     The methods run in turn, ``dry_runs`` rounds of one call each (one throw-away copy per
     method), so a slow phase of a shared machine falls on several candidates rather than on
-    all of one's calls; each method's measurement is its fastest call (a call's first one
+    all of one's calls; after the first round only those within :data:`PRUNE_FACTOR` of the
+    fastest run again. Each method's measurement is its fastest call (a call's first one
     pays one-off costs: allocation, a threshold search, loading compiled kernels; a call
     that met interference is slower, never faster). ``reference``: the exact average, where
     the caller has it; otherwise the first method whose name is ``none`` gives it, or one
@@ -231,12 +236,22 @@ def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
     clones = [throwaway_copy(m) for m in methods]
     measured: list[Measurement | None] = [None] * len(methods)
     averages: list[Any] = [None] * len(methods)
-    for _ in range(dry_runs):
-        for i, clone in enumerate(clones):
-            m, averages[i] = dry_run(clone, x, name, comm, hook)
+    running = list(range(len(methods)))
+    for round_ in range(dry_runs):
+        for i in running:
+            m, averages[i] = dry_run(clones[i], x, name, comm, hook)
             best = measured[i]
             if best is None or m.compress_s + m.mpi_s() < best.compress_s + best.mpi_s():
                 measured[i] = m
+        if round_ == 0 and dry_runs > 1:
+            # a candidate PRUNE_FACTOR times slower than the fastest in the first round keeps that
+            # measurement (an overestimate only by its one-off costs); the others run again.
+            # The times are agreed first (the maximum over ranks), so every rank keeps the same.
+            first = comm.allreduce(np.array([measured[i].compress_s + measured[i].mpi_s()
+                                             for i in running], np.float64), "max") \
+                if comm.size > 1 else [measured[i].compress_s + measured[i].mpi_s() for i in running]
+            fastest = float(min(first))
+            running = [i for i, t in zip(running, first) if t <= PRUNE_FACTOR * fastest]
     if reference is None:
         dense = [i for i, m in enumerate(methods) if m.name == "none"]
         if dense:
