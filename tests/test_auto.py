@@ -178,6 +178,27 @@ def case_switch_flushes_the_residual(comm):
     return {}
 
 
+def case_error_budget_excludes_a_faster_method(comm):
+    """On a slow link Top-k is predicted fastest, but its measured one-step error (about 0.9 at
+    1% density from a zero residual) exceeds a budget of 0.5: dense is chosen, and the table says why."""
+    link = SyntheticLink(SLOW)
+    free = hvdc.Compression.auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
+                                 measure_hook=link)
+    bounded = hvdc.Compression.auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
+                                    error_budget=0.5, measure_hook=link)
+    g = _grad(comm.rank, 1)
+    free.allreduce(g, "b", comm)
+    out = bounded.allreduce(g, "b", comm)
+    assert free.decisions()["b"]["chosen"] == "topk"
+    d = bounded.decisions()["b"]
+    assert d["chosen"] == "none" and d["runner_up"] is None
+    table = d["candidates"]
+    assert table["topk"]["error"] > 0.5 and not table["topk"]["eligible"]
+    assert table["none"]["error"] == 0.0 and table["none"]["eligible"]
+    np.testing.assert_allclose(out, gather_float64(comm, g).mean(axis=0), rtol=1e-5, atol=1e-6)
+    return {}
+
+
 def case_checkpoint_after_switch_resumes_bit_identical(comm):
     """A checkpoint taken after dense -> Top-k (error feedback live) resumes the same bits,
     including the later switch back to dense and its flush of the residual."""
@@ -229,6 +250,7 @@ def case_torch_optimizer_with_auto(comm):
 
 CORE_CASES = [case_all_ranks_choose_the_same, case_crafted_disagreement_yields_one_decision,
               case_drift_redecides_with_hysteresis, case_switch_flushes_the_residual,
+              case_error_budget_excludes_a_faster_method,
               case_checkpoint_after_switch_resumes_bit_identical]
 
 
@@ -262,6 +284,10 @@ def test_drift_redecides_with_hysteresis(mpi):
 
 def test_switch_flushes_the_residual(mpi):
     assert all(v == {} for v in mpi[case_switch_flushes_the_residual].values())
+
+
+def test_error_budget_excludes_a_faster_method(mpi):
+    assert all(v == {} for v in mpi[case_error_budget_excludes_a_faster_method].values())
 
 
 def test_checkpoint_after_switch_resumes_bit_identical(mpi):
