@@ -112,7 +112,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
-from .cluster.netns import parse_duration, parse_rate
+from .units import parse_duration, parse_rate
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ METHODS = {
     "powersgd": {"rank": 2},
     "lazy_projection": {"rank": 2},
     "deepreduce": {"density": 0.1},
+    "auto": {},
 }
 
 

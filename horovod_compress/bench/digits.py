@@ -167,6 +167,7 @@ def train_digits(compression: Any = None, comm: Any = None, *, epochs: int = 30,
         "comm_seconds_per_step": opt.exchange.comm_seconds / steps,
         "wait_seconds_per_step": opt.exchange.wait_seconds / steps,
         "params_digest": digest,
+        **({"decisions": method.decisions()} if hasattr(method, "decisions") else {}),
     }
 
 

@@ -121,6 +121,9 @@ def print_result(name: str, res: dict[str, Any]) -> None:
           f"{res['bytes_sent_per_step'] / 1024:9.1f} KiB/step  "
           f"ratio {res['compression_ratio']:7.1f}x  {res['seconds_per_step'] * 1e3:7.2f} ms/step",
           flush=True)
+    for bucket, d in sorted(res.get("decisions", {}).items()):   # Compression.auto's choices
+        print(f"{'':12s} bucket {bucket}: {d['chosen']} (predicted {d['predicted_ms']:.2f} ms, "
+              f"runner-up {d['runner_up']}), {d['reason']}", flush=True)
 
 
 def write_results(results: list[dict[str, Any]], folder: str) -> None:

@@ -33,11 +33,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..units import parse_duration, parse_rate
+
 STATE_ROOT = Path(os.environ.get("HVDC_CLUSTER_STATE", "/run/hvdc-cluster"))
 
-_RATE = re.compile(r"^(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)$", re.IGNORECASE)
-_UNIT = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
-_TIME = re.compile(r"^(\d+(?:\.\d+)?)(us|ms|s)$")
 _NAME = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 
 
@@ -47,22 +46,6 @@ class ClusterError(RuntimeError):
 
 class ClusterUnavailable(ClusterError):
     """This machine does not allow network namespaces or traffic shaping."""
-
-
-def parse_rate(rate: str) -> float:
-    """``'1gbit'`` -> 1e9 bits per second (tc's units: bit, kbit, mbit, gbit, tbit)."""
-    m = _RATE.match(str(rate).strip())
-    if not m or float(m.group(1)) <= 0:
-        raise ValueError(f"bandwidth must look like 100mbit, 1gbit or 10gbit, got {rate!r}")
-    return float(m.group(1)) * _UNIT[m.group(2).lower()]
-
-
-def parse_duration(value: str) -> float:
-    """``'50ms'`` -> 0.05 seconds (units us, ms, s)."""
-    m = _TIME.match(str(value).strip())
-    if not m:
-        raise ValueError(f"a duration must look like 100us, 5ms or 1s, got {value!r}")
-    return float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)]
 
 
 @dataclass(frozen=True)

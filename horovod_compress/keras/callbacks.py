@@ -169,6 +169,12 @@ class CompressionWarmupCallback(keras.callbacks.Callback):
             self._set(self._step < self.steps)
 
 
+def _decision_log(reducer: Any) -> list:
+    """The decisions of the reducer's method so far (``Compression.auto``), else none."""
+    log = getattr(getattr(reducer, "method", None), "decision_log", None)
+    return log() if log is not None else []
+
+
 class CompressionStatsCallback(keras.callbacks.Callback):
     """Per-epoch statistics of the gradient exchange into ``logs``.
 
@@ -180,6 +186,8 @@ class CompressionStatsCallback(keras.callbacks.Callback):
     * ``hvdc_compression_ratio`` -- bytes a dense ring allreduce of the same
       gradients would send (2N(P-1)/P per step) divided by
       ``hvdc_bytes_sent``;
+    * ``hvdc_auto_decisions`` -- with ``Compression.auto``: the decisions it took in the
+      epoch (its ``decisions()`` says which);
     * ``hvdc_compression_error`` -- mean over the measured steps of
       ``||avg_method - avg_dense|| / ||avg_dense||``; measured on the first
       step of each epoch and every ``error_every`` steps (0: first step
@@ -204,6 +212,7 @@ class CompressionStatsCallback(keras.callbacks.Callback):
         reducer = reducer_of(self.model.optimizer)
         reducer.measure_next = self.error_every is not None
         self._start = reducer.stats.copy()
+        self._decisions_start = len(_decision_log(reducer))
 
     def on_epoch_end(self, epoch: int, logs: dict | None = None) -> None:
         if logs is None or self._start is None:
@@ -215,6 +224,9 @@ class CompressionStatsCallback(keras.callbacks.Callback):
         logs["hvdc_bytes_received"] = float(now.bytes_received - start.bytes_received)
         logs["hvdc_steps"] = float(now.steps - start.steps)
         logs["hvdc_compression_ratio"] = float(dense / sent) if sent > 0 else math.inf
+        if hasattr(getattr(reducer_of(self.model.optimizer), "method", None), "decision_log"):
+            logs["hvdc_auto_decisions"] = float(len(_decision_log(reducer_of(self.model.optimizer)))
+                                                - self._decisions_start)
         if self.error_every is not None:
             count = now.error_count - start.error_count
             logs["hvdc_compression_error"] = (

@@ -302,17 +302,22 @@ class HookExchange:
 
     # ---------------------------------------------------------- statistics
     def statistics(self) -> dict[str, Any]:
-        """Iterations, calls, bytes (this rank, volume model), the ratio to dense, seconds, skips, ``by_op``.
+        """Iterations, calls, bytes (this rank, volume model), the ratio to dense, seconds, skips, ``by_op``;
+        ``decisions`` for a method that chooses per bucket (``Compression.auto``).
 
         ``by_op`` is the communicator's breakdown since its last
         ``reset_stats()`` (shared by everything that uses it).
         """
         st = self.stats
-        return {"method": self.method.name, "iterations": st.steps, "calls": self.calls,
-                "bytes_sent": st.bytes_sent, "bytes_received": st.bytes_received,
-                "dense_bytes": st.dense_bytes, "compression": st.compression_ratio(),
-                "seconds": st.seconds, "skipped_steps": self.method.skipped_steps,
-                "by_op": self.comm.stats()["by_op"]}
+        out = {"method": self.method.name, "iterations": st.steps, "calls": self.calls,
+               "bytes_sent": st.bytes_sent, "bytes_received": st.bytes_received,
+               "dense_bytes": st.dense_bytes, "compression": st.compression_ratio(),
+               "seconds": st.seconds, "skipped_steps": self.method.skipped_steps,
+               "by_op": self.comm.stats()["by_op"]}
+        decisions = getattr(self.method, "decisions", None)
+        if decisions is not None:
+            out["decisions"] = decisions()
+        return out
 
     def reset_statistics(self) -> None:
         """Zero the counters (all but ``steps``), ``calls``, ``comm_seconds`` and the communicator's.

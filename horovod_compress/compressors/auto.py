@@ -1,0 +1,337 @@
+"""``Compression.auto()``: the method that picks itself, per bucket, from the measured link.
+
+Which compressor pays depends on what a script cannot see when it is
+written: the link, P, the tensors' shapes, the CPU or GPU compression runs
+on. Agarwal et al. ("On the Utility of Gradient Compression in Distributed
+Training Systems", MLSys'22) found it paid in few of the setups they
+studied; Espresso (Wang et al., EuroSys'23) prices each tensor with an
+alpha-beta timeline, but with link constants given by hand and the
+algorithm chosen by the user. ``auto`` measures and chooses:
+
+1. On a bucket's first call (and whenever it decides again) every candidate
+   runs ``dry_runs`` times (in turn with the others; its fastest call counts)
+   on a throw-away copy of itself, on a copy of the bucket, on the
+   communicator given: its compression time, its collectives' calls, bytes
+   and seconds at the bucket's own message sizes, and its relative error
+   against the exact average (:mod:`.auto_measure`). A tiny
+   probe of each collective gives the latency term. The ranks agree on the
+   numbers (their maximum over ranks), so all take the same decision.
+2. The alpha-beta model prices every candidate; the fastest whose error is
+   within ``error_budget`` runs the bucket from this call on
+   (:mod:`.auto_decide`). Dense (``none``) and ``fp16`` are candidates, so
+   when no compressor pays, one of them is chosen.
+3. Each real step's exchange time is compared with the prediction over
+   windows of ``window`` steps; ``patience`` windows in a row outside the
+   band ``band`` (a link got slower or faster) trigger a new measurement, and
+   a method is replaced only by one predicted faster by ``switch_margin``.
+   A new world size (an elastic reset) decides again at once.
+
+Switching a bucket from a method with EF14 error feedback hands its
+residual ``e`` (what compression has not yet delivered) to the next step:
+the next call exchanges ``g + e`` with the new method, so nothing is dropped
+(Seide et al. 2014; Ok-Topk's Algorithm 2 keeps the same invariant within
+one method). The decisions, the drift windows, a residual waiting to be
+flushed and every candidate's state are in :meth:`state_dict`.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import numpy as np
+
+from ..kernels.arrays import is_cupy, is_gpu_array, to_device_like, to_host
+from ..params import check_float, check_int
+from ..runtime import world as _world
+from ..runtime.consistency import TensorMismatchError
+from .auto_decide import Decision, DriftMonitor, choose, predict_exchange
+from .auto_measure import CallClock, MeasureHook, measure_candidates
+from .base import Method, TensorState
+from .registry import MethodFactory, create, register
+
+#: The default candidates, each at its paper's defaults (the biased ones with EF14 error
+#: feedback), none needing another learning rate than dense: dense, the 16-bit cast,
+#: Global-QSGD's 8-bit exponential dithering, Top-k and Gaussian-k at 1% density, Ok-Topk.
+#: Random-k is not among them: its unbiased form needs a smaller learning rate (its variance
+#: grows as n/k), so it joins only when listed.
+DEFAULT_CANDIDATES = ("none", "fp16", "global_qsgd", "topk", "gaussiank", "oktopk")
+#: Error feedback ``auto`` can carry across a switch (EF14's residual is exactly what compression
+#: has not delivered yet; EF21's trackers are not a debt that can be paid into another method).
+CARRIED_FEEDBACK = ("none", "residual")
+#: Buckets below this many values are latency-bound: every candidate costs at least dense's
+#: rounds there, so they run dense without measuring.
+DEFAULT_MIN_NUMEL = 4096
+
+log = logging.getLogger(__name__)
+
+
+def _candidate(item: Any, seed: int) -> Method:
+    """A candidate method from a name, an uncalled ``Compression.<name>`` or a method."""
+    if isinstance(item, str):
+        method = create(item, seed=seed)
+    elif isinstance(item, MethodFactory):
+        method = item()
+    elif isinstance(item, Method):
+        method = item
+    else:
+        raise ValueError(f"auto: candidates must be method names, Compression.<name> or methods, "
+                         f"got {item!r}")
+    if method.name == "auto":
+        raise ValueError("auto: a candidate cannot itself be auto")
+    if method.layout != "flat":
+        raise ValueError(f"auto: candidate {method.name!r} works per matrix (layout "
+                         f"{method.layout!r}); auto runs on fused buckets and takes flat methods only: "
+                         f"use Compression.{method.name}(...) directly for it")
+    if method.feedback.name not in CARRIED_FEEDBACK:
+        raise ValueError(f"auto: candidate {method.name!r} uses feedback={method.feedback.name!r}; "
+                         f"auto carries error feedback across a switch for {list(CARRIED_FEEDBACK)} only")
+    return method
+
+
+@register
+class Auto(Method):
+    """Chooses, per bucket, the fastest candidate on the measured link (see the module docstring).
+
+    Parameters
+    ----------
+    candidates: method names, ``Compression.<name>`` factories or methods (flat ones, each
+        once); default :data:`DEFAULT_CANDIDATES`. The first listed wins a tie.
+    error_budget: the largest relative compression error ``||avg_c - avg|| / ||avg||`` a
+        candidate may show on the bucket (measured at each decision) to be chosen; ``None``:
+        no limit (each default candidate is an accepted method at its paper's defaults).
+    dry_runs: timed calls per candidate at each decision, in rounds over the candidates
+        (its fastest call is the measurement).
+    probe_repeats: repeats of each collective's tiny (latency) probe.
+    window, band, patience: a new decision when the mean measured / predicted exchange time
+        of ``patience`` consecutive windows of ``window`` steps leaves ``[1/(1+band), 1+band]``.
+    switch_margin: a bucket changes method only for one predicted faster by this fraction.
+    min_numel: smaller buckets run dense without measuring.
+    measure_hook: ``hook(kind, seconds, nbytes) -> seconds`` applied to every time measured
+        (``kind``: a collective's name, or ``"compress:<method>"``); for tests and what-if runs. Not part
+        of the configuration.
+    """
+
+    name = "auto"
+    layout = "flat"
+
+    def __init__(self, *, candidates: Sequence[Any] | None = None, error_budget: float | None = None,
+                 dry_runs: int = 2, probe_repeats: int = 3, window: int = 10, band: float = 0.5,
+                 patience: int = 2, switch_margin: float = 0.1, min_numel: int = DEFAULT_MIN_NUMEL,
+                 seed: int = 0, measure_hook: MeasureHook | None = None) -> None:
+        super().__init__(seed=seed)
+        items = DEFAULT_CANDIDATES if candidates is None else candidates
+        if isinstance(items, (str, Method, MethodFactory)) or len(items) == 0:
+            raise ValueError(f"auto: candidates must be a non-empty list of methods, got {items!r}")
+        methods = [_candidate(c, self.seed) for c in items]
+        labels = [m.name for m in methods]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"auto: list each method once in candidates, got {labels}")
+        self.candidates: dict[str, Method] = dict(zip(labels, methods))
+        self.error_budget = None if error_budget is None else \
+            check_float(self.name, "error_budget", error_budget, 0.0, None)
+        self.dry_runs = check_int(self.name, "dry_runs", dry_runs, 1, 100)
+        self.probe_repeats = check_int(self.name, "probe_repeats", probe_repeats, 1, 1000)
+        self.window = check_int(self.name, "window", window, 1)
+        self.band = check_float(self.name, "band", band, 0.0, None, low_open=True)
+        self.patience = check_int(self.name, "patience", patience, 1)
+        self.switch_margin = check_float(self.name, "switch_margin", switch_margin, 0.0, 1.0,
+                                         high_open=True)
+        self.min_numel = check_int(self.name, "min_numel", min_numel, 0)
+        self.measure_hook: MeasureHook = measure_hook or (lambda kind, seconds, nbytes: seconds)
+        self._decisions: dict[str, Decision] = {}
+        self._monitors: dict[str, DriftMonitor] = {}
+        self._redecide: set[str] = set()
+        self._pending: dict[str, np.ndarray] = {}
+        self._history: list[Decision] = []
+        self._calls: dict[str, int] = {}
+        self._active: Method | None = None
+        self.set_nonfinite(self.nonfinite)
+
+    # ------------------------------------------------------------- settings
+    def params(self) -> dict[str, Any]:
+        return {"candidates": tuple(repr(m) for m in self.candidates.values()),
+                "error_budget": self.error_budget, "dry_runs": self.dry_runs,
+                "probe_repeats": self.probe_repeats, "window": self.window, "band": self.band,
+                "patience": self.patience, "switch_margin": self.switch_margin,
+                "min_numel": self.min_numel}
+
+    def set_nonfinite(self, policy: str | None) -> None:
+        """The NaN/Inf policy, for ``auto`` and every candidate."""
+        super().set_nonfinite(policy)
+        for m in self.__dict__.get("candidates", {}).values():
+            m.set_nonfinite(self.nonfinite)
+
+    @property
+    def skipped_steps(self) -> int:          # type: ignore[override]
+        """Steps dropped under ``nonfinite="skip"``, by whichever candidate ran them."""
+        return self.__dict__.get("_own_skipped", 0) + \
+            sum(m.skipped_steps for m in self.__dict__.get("candidates", {}).values())
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._own_skipped = value
+
+    @property
+    def state(self) -> dict[str, TensorState]:      # type: ignore[override]
+        """Each bucket's state in the method that runs it (a view; :meth:`state_dict` saves every
+        candidate's state whole)."""
+        decisions = self.__dict__.get("_decisions", {})
+        return {b: self.candidates[d.chosen].state[b] for b, d in decisions.items()
+                if b in self.candidates[d.chosen].state}
+
+    @state.setter
+    def state(self, value: dict) -> None:
+        """Ignored: the candidates hold the state (``Method.__init__`` and the base restore set it)."""
+
+    @property
+    def last_step_skipped(self) -> bool:     # type: ignore[override]
+        active = self.__dict__.get("_active")
+        return bool(active is not None and active.last_step_skipped)
+
+    @last_step_skipped.setter
+    def last_step_skipped(self, value: bool) -> None:
+        pass
+
+    # ------------------------------------------------------------- exchange
+    def allreduce(self, grad: Any, name: str, comm: Any) -> Any:
+        """The average of ``grad`` over ranks by the method chosen for bucket ``name``."""
+        _world.ensure_abort_on_exception(comm)
+        if is_gpu_array(grad):          # CuPy: each candidate runs as it runs CuPy; others staged
+            if not is_cupy(grad):
+                self.device_calls["staged"] += 1
+                return to_device_like(self.allreduce(to_host(grad), name, comm), grad)
+            self.device_calls["native"] += 1
+        self._calls[name] = self._calls.get(name, 0) + 1
+        decision = self._decisions.get(name)
+        if decision is None:
+            self._decide(grad, name, comm, "first call")
+        elif decision.world_size != comm.size:
+            self._decide(grad, name, comm, "world size")
+        elif decision.numel != grad.size:
+            self._decide(grad, name, comm, "new shape")
+        elif name in self._redecide:
+            self._decide(grad, name, comm, "drift")
+        inner = self._active = self.candidates[self._decisions[name].chosen]
+        x = grad
+        debt = self._pending.pop(name, None)
+        if debt is not None:           # the previous method's residual, flushed into this step
+            x = grad.astype(debt.dtype) + debt.reshape(grad.shape)
+        clock = CallClock(comm)
+        out = inner.allreduce(x, name, comm)
+        compress_s, ops = clock.stop(self.measure_hook)
+        if not inner.last_step_skipped:
+            compress_s = self.measure_hook(f"compress:{inner.name}", compress_s, 0.0)
+            self._watch(name, inner, compress_s + sum(o.seconds for o in ops.values()), comm)
+        return out.astype(grad.dtype, copy=False) if out.dtype != grad.dtype else out
+
+    def _watch(self, name: str, inner: Method, seconds: float, comm: Any) -> None:
+        """Count one step of ``name`` in its drift window (not the chosen method's warm-up steps)."""
+        st = inner.state.get(name)
+        if st is not None and st.t <= inner.warmup_steps:
+            return
+        monitor = self._monitors[name]
+        if monitor.observe(seconds):
+            ratio = np.array([monitor.ratio()], np.float64)
+            agreed = float(comm.allreduce(ratio, "max")[0]) if comm.size > 1 else float(ratio[0])
+            if monitor.close_window(agreed):
+                self._redecide.add(name)
+
+    # ------------------------------------------------------------- decisions
+    def _decide(self, grad: Any, name: str, comm: Any, reason: str) -> None:
+        """Measure every candidate on this bucket, choose, log, and switch if the choice changed.
+
+        First the ranks check that they hold the same bucket and the same ``auto``, by the
+        agreement every call of every method starts with (a 1-byte allgather, then a digest
+        allgather where a rank's signature is new; :class:`TensorMismatchError` on every rank
+        otherwise), before any dry run.
+        """
+        try:
+            self._agree_step(comm, self._signature(grad, np.dtype(grad.dtype), name), True)
+        except TensorMismatchError:
+            self._calls[name] -= 1          # the call did not happen on any rank
+            raise
+        self._redecide.discard(name)
+        current = self._decisions.get(name)
+        labels = list(self.candidates)
+        step = self._calls[name]
+        x = grad.astype(np.float64 if grad.dtype == np.float64 else np.float32, copy=False)
+        if x.size < self.min_numel:
+            chosen = "none" if "none" in self.candidates else labels[0]
+            decision = Decision(name, chosen, 0.0, 0.0, None, None, f"{reason}, below min_numel",
+                                step, comm.size, int(x.size))
+        else:
+            measured = measure_candidates(list(self.candidates.values()), x, name, comm,
+                                          dry_runs=self.dry_runs, probe_repeats=self.probe_repeats,
+                                          hook=self.measure_hook)
+            predicted = [predict_exchange(lb, m, comm.size) for lb, m in zip(labels, measured)]
+            errors = [m.error for m in measured]
+            chosen, runner, eligible = choose(labels, predicted, errors, self.error_budget,
+                                              current.chosen if current else None, self.switch_margin)
+            i = labels.index(chosen)
+            table = {lb: {"predicted_ms": 1e3 * p, "measured_ms": 1e3 * (m.compress_s + m.mpi_s()),
+                          "compress_ms": 1e3 * m.compress_s, "error": m.error, "eligible": ok}
+                     for lb, p, m, ok in zip(labels, predicted, measured, eligible)}
+            decision = Decision(name, chosen, 1e3 * predicted[i], table[chosen]["measured_ms"],
+                                runner, table[runner]["predicted_ms"] if runner else None,
+                                reason, step, comm.size, int(x.size), table)
+        decision.switched = current is None or current.chosen != decision.chosen
+        if current is not None and decision.switched:
+            self._hand_over(name, self.candidates[current.chosen])
+        self._decisions[name] = decision
+        self._history.append(decision)
+        self._monitors[name] = DriftMonitor(max(decision.predicted_ms, 0.0) / 1e3, self.window,
+                                            self.band, self.patience)
+        if comm.rank == 0:
+            log.info(decision.line())
+
+    def _hand_over(self, name: str, previous: Method) -> None:
+        """Take ``name``'s state out of the method that ran it; keep its EF14 residual as a debt
+        the next call pays (exchanged with the new method), so no gradient mass is dropped."""
+        st = previous.state.pop(name, None)
+        residual = None if st is None else st.get("fb_residual")
+        if residual is not None:
+            self._pending[name] = np.array(residual, copy=True) if isinstance(residual, np.ndarray) \
+                else residual.copy()
+
+    def decisions(self) -> dict[str, dict[str, Any]]:
+        """Each bucket's current decision (chosen method, predicted and measured ms, runner-up,
+        every candidate's prediction and error), as plain values."""
+        return {b: d.as_dict() for b, d in self._decisions.items()}
+
+    def decision_log(self) -> list[dict[str, Any]]:
+        """Every decision taken so far, in order (a bucket appears once per decision)."""
+        return [d.as_dict() for d in self._history]
+
+    # ---------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Base state plus the decisions, drift windows, debts and every candidate's state."""
+        sd = super().state_dict()
+        sd["auto"] = {
+            "decisions": self.decisions(), "history": self.decision_log(),
+            "monitors": {b: m.as_dict() for b, m in self._monitors.items()},
+            "redecide": sorted(self._redecide), "calls": dict(self._calls),
+            "pending": {b: np.array(np.asarray(getattr(v, "get", lambda: v)()), copy=True)
+                        for b, v in self._pending.items()},
+            "inner": {lb: m.state_dict() for lb, m in self.candidates.items()},
+        }
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` output (of an ``auto`` with the same candidates)."""
+        super().load_state_dict(sd)
+        saved = sd.get("auto", {})
+        inner = saved.get("inner", {})
+        if sorted(inner) != sorted(self.candidates):
+            raise ValueError(f"auto: checkpoint holds candidates {sorted(inner)}, this auto has "
+                             f"{sorted(self.candidates)}")
+        for lb, m in self.candidates.items():
+            m.load_state_dict(inner[lb])
+        self._decisions = {b: Decision.from_dict(d) for b, d in saved.get("decisions", {}).items()}
+        self._history = [Decision.from_dict(d) for d in saved.get("history", [])]
+        self._monitors = {b: DriftMonitor(**m) for b, m in saved.get("monitors", {}).items()}
+        self._redecide = set(saved.get("redecide", []))
+        self._calls = dict(saved.get("calls", {}))
+        self._pending = {b: np.array(v, copy=True) for b, v in saved.get("pending", {}).items()}
+
+
+__all__ = ["Auto", "CARRIED_FEEDBACK", "DEFAULT_CANDIDATES", "DEFAULT_MIN_NUMEL"]

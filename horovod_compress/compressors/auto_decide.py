@@ -1,0 +1,168 @@
+"""How ``Compression.auto`` turns agreed measurements into a decision, and when it decides again.
+
+Pure functions of numbers every rank holds identically (see
+:mod:`.auto_measure`), so every rank computes the same result.
+
+**Prediction.** A candidate's exchange on a bucket is priced with the
+project's alpha-beta model (:mod:`horovod_compress.cost_model`; Ok-Topk,
+Li & Hoefler, PPoPP'22, Section 2 and Table 1):
+
+    T = T_compress + sum_op calls_op * (rounds_op(P) * alpha_op + L_op / (eta_op * B))
+
+``alpha_op`` from the op's tiny probe (divided by Table 1's rounds),
+``eta_op * B`` the rate the op reached in the candidate's dry run at the
+bucket's own message size ``L_op`` (:func:`cost_model.fit_link`), and
+``T_compress`` the dry run's time outside MPI.
+
+**Choice.** Among the candidates whose measured relative compression error
+is within the budget (all of them without one), the smallest ``T``; the
+candidate listed first wins a tie. A bucket that already has a method keeps
+it unless the best is faster by more than ``switch_margin`` (a fraction of
+the current one's prediction): the first half of the hysteresis.
+
+**Drift.** After a decision, every real step's exchange time (outside the
+agreement's wait) is divided by the prediction; at the end of a window of
+``window`` steps the ranks agree on the largest median of that ratio (one
+8-byte allreduce). The first window is the reference (the model's bias on
+this bucket, clamped to the band); a later window whose ratio, divided by the reference, leaves
+``[1 / (1 + band), 1 + band]`` is a strike, and ``patience`` strikes in a
+row trigger a new measurement and decision: the second half of the
+hysteresis (one slow step, or one slow window, does not).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from statistics import median
+from typing import Any, Sequence
+
+from ..cost_model import OpCount, StepProfile, fit_link, predict
+from .auto_measure import TINY_BYTES, Measurement
+
+#: The link rate the fit is expressed against; each op's fitted efficiency carries its real rate,
+#: so the nominal value cancels out of every prediction.
+NOMINAL_BITS_PER_S = 1e9
+
+
+def predict_exchange(label: str, m: Measurement, world_size: int) -> float:
+    """Predicted seconds of one exchange of the bucket by the candidate measured as ``m``."""
+    probes = {}
+    for op, o in m.ops.items():
+        per_call_s = o.seconds / o.calls
+        per_call_bytes = max(o.moved / o.calls, float(TINY_BYTES))
+        probes[op] = (min(o.tiny_s, per_call_s), per_call_s, per_call_bytes, world_size)
+    profile = StepProfile(method=label, world_size=world_size, compute_s=0.0,
+                          compress_s=m.compress_s,
+                          ops={op: OpCount(o.calls, max(o.sent, TINY_BYTES), max(o.received, TINY_BYTES))
+                               for op, o in m.ops.items()})
+    if not probes:
+        return m.compress_s
+    p = predict(profile, fit_link(NOMINAL_BITS_PER_S, probes))
+    return p.compress_s + p.comm_s
+
+
+@dataclass
+class Decision:
+    """One bucket's decision: what runs it, why, and what the others were predicted at."""
+
+    bucket: str
+    chosen: str
+    predicted_ms: float
+    measured_ms: float            # the chosen candidate's dry run (compression + MPI)
+    runner_up: str | None
+    runner_up_ms: float | None
+    reason: str                   # "first call", "drift", "world size"
+    step: int                     # the bucket's call count when it was taken
+    world_size: int
+    numel: int
+    candidates: dict[str, dict[str, Any]] = field(default_factory=dict)   # label -> ms, error, eligible
+    switched: bool = True
+
+    def as_dict(self) -> dict[str, Any]:
+        """The decision as plain values (what ``decisions()`` and checkpoints hold)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Decision":
+        """The inverse of :meth:`as_dict`."""
+        return cls(**d)
+
+    def line(self) -> str:
+        """The one log line of this decision."""
+        runner = (f"runner-up {self.runner_up} {self.runner_up_ms:.2f} ms" if self.runner_up
+                  else "no runner-up")
+        kept = "" if self.switched else " (kept: the best was not faster by the switch margin)"
+        return (f"auto: bucket {self.bucket!r} ({self.numel} values, P={self.world_size}, "
+                f"{self.reason}, call {self.step}): {self.chosen} predicted {self.predicted_ms:.2f} ms, "
+                f"measured {self.measured_ms:.2f} ms; {runner}{kept}")
+
+
+def choose(labels: Sequence[str], predicted: Sequence[float], errors: Sequence[float],
+           error_budget: float | None, current: str | None = None,
+           switch_margin: float = 0.0) -> tuple[str, str | None, list[bool]]:
+    """(chosen, runner-up, eligible per candidate) by the rule of the module docstring.
+
+    With an error budget that no candidate meets, the one with the least error
+    is chosen (the budget cannot be honoured; the decision says so through
+    ``eligible``).
+    """
+    eligible = [error_budget is None or e <= error_budget for e in errors]
+    pool = [i for i, ok in enumerate(eligible) if ok]
+    if not pool:
+        pool = [min(range(len(labels)), key=lambda i: (errors[i], i))]
+    ranked = sorted(pool, key=lambda i: (predicted[i], i))
+    best = ranked[0]
+    if current is not None and current in labels:
+        cur = labels.index(current)
+        if cur in pool and predicted[best] >= predicted[cur] * (1.0 - switch_margin):
+            best = cur
+    others = [i for i in ranked if i != best]
+    return labels[best], (labels[others[0]] if others else None), eligible
+
+
+@dataclass
+class DriftMonitor:
+    """One bucket's measured exchange time against its prediction, in windows of steps.
+
+    A window's statistic is the median of its steps' measured / predicted seconds (one step
+    slowed by the scheduler does not move it). The first window after a decision is the
+    reference: the model's error on this bucket as the real steps meet it (a method's steady
+    steps differ from its dry run by a stable factor: buffers already allocated, thresholds
+    reused), clamped to the band, so a link that changed within that first window still
+    shows; later windows are compared with it, so the band measures a change of the link,
+    not the model's own bias.
+    """
+
+    predicted_s: float
+    window: int
+    band: float
+    patience: int
+    samples: list = field(default_factory=list)
+    reference: float | None = None
+    strikes: int = 0
+
+    def observe(self, seconds: float) -> bool:
+        """Add one step's measured seconds; ``True`` when a window is complete (time to agree)."""
+        self.samples.append(seconds / max(self.predicted_s, 1e-9))
+        return len(self.samples) >= self.window
+
+    def ratio(self) -> float:
+        """This rank's window: the median of measured / predicted."""
+        return float(median(self.samples)) if self.samples else 1.0
+
+    def close_window(self, agreed_ratio: float) -> bool:
+        """Start a new window after the ranks agreed on ``agreed_ratio``; ``True``: decide again."""
+        self.samples = []
+        if self.reference is None:     # the model's bias, as far as the band allows
+            self.reference = min(max(agreed_ratio, 1.0 / (1.0 + self.band)), 1.0 + self.band)
+            return False
+        drift = agreed_ratio / self.reference
+        outside = drift > 1.0 + self.band or drift < 1.0 / (1.0 + self.band)
+        self.strikes = self.strikes + 1 if outside else 0
+        return self.strikes >= self.patience
+
+    def as_dict(self) -> dict[str, Any]:
+        """The monitor's fields as plain values (checkpoints)."""
+        return asdict(self)
+
+
+__all__ = ["Decision", "DriftMonitor", "NOMINAL_BITS_PER_S", "choose", "predict_exchange"]

@@ -1,0 +1,272 @@
+"""What ``Compression.auto`` measures before it chooses, and how the ranks agree on it.
+
+For one bucket ``x`` (this rank's gradient) and each candidate method, a
+**dry run** is one call of a throw-away copy of the candidate (fresh state,
+no warm-up) on a copy of ``x`` on the real communicator, all ranks starting
+together (a barrier). The Communicator's counters around it give
+
+* per collective ``op``: calls, bytes sent and received per rank (its volume
+  model, "Near-Optimal Sparse Allreduce for Distributed Deep Learning", Li &
+  Hoefler, PPoPP'22, Table 1) and seconds inside MPI -- the probe of that
+  collective at the bucket's own message size, on the communicator given;
+* the compression time: the call's wall time less its time inside MPI
+  (the per-call 1-byte agreement, where a rank waits for peers, excluded);
+* the relative compression error ``||avg_c - avg|| / ||avg||`` against the
+  exact average (the dense candidate's result, or one dense allreduce).
+
+A **tiny probe** times each used collective with an 8-byte message: its
+latency, the model's ``alpha`` (the rounds of Table 1 divide it).
+
+Every rank measures its own; :func:`agree` replaces each number by its
+maximum over ranks (one float64 allreduce, exact and order-independent), so
+every rank then runs the same model on the same numbers and takes the same
+decision, however the ranks' clocks disagreed.
+"""
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..feedback import make_feedback
+from ..kernels.arrays import get_array_module, to_host
+
+#: The collectives a method's calls are counted under (the Communicator's op names), in the
+#: fixed order of the agreement vector.
+OPS = ("allreduce", "allgather", "allgatherv", "allgather_object", "alltoall", "alltoallv",
+       "broadcast", "p2p")
+#: Bytes of the tiny probe's message (the latency term).
+TINY_BYTES = 8
+#: After a decision's first round of dry runs, only candidates within this factor of the
+#: fastest run again (the others cannot win: their first call's one-off costs are small next
+#: to such a gap).
+PRUNE_FACTOR = 3.0
+#: Timing op of the per-call agreement (a wait for peers, not the method's exchange).
+AGREE_OP = "agree"
+
+#: ``hook(kind, seconds, nbytes) -> seconds``: every measured time passes through it (``kind``:
+#: a collective's name, or ``"compress:<method>"`` for a method's time outside MPI); tests
+#: inject a slower or disagreeing link with it.
+MeasureHook = Callable[[str, float, float], float]
+
+
+def _identity(kind: str, seconds: float, nbytes: float) -> float:
+    return seconds
+
+
+@dataclass
+class OpProbe:
+    """One collective as a call of a method used it: calls, bytes per rank, seconds inside MPI."""
+
+    calls: float = 0.0
+    sent: float = 0.0
+    received: float = 0.0
+    seconds: float = 0.0
+    tiny_s: float = 0.0      # one call with an 8-byte message
+
+    @property
+    def moved(self) -> float:
+        """Bytes the op moved per rank under the volume model (a full-duplex link: the larger way)."""
+        return max(self.sent, self.received)
+
+
+@dataclass
+class Measurement:
+    """One candidate on one bucket: its compression time, error and collectives."""
+
+    compress_s: float = 0.0
+    error: float = 0.0
+    ops: dict[str, OpProbe] = field(default_factory=dict)
+
+    def mpi_s(self) -> float:
+        """Seconds inside MPI over every collective of the call."""
+        return sum(o.seconds for o in self.ops.values())
+
+    def as_vector(self) -> list[float]:
+        """``[compress_s, error, (calls, sent, received, seconds, tiny_s) per op of OPS]``."""
+        out = [self.compress_s, self.error]
+        for op in OPS:
+            o = self.ops.get(op, OpProbe())
+            out += [o.calls, o.sent, o.received, o.seconds, o.tiny_s]
+        return out
+
+    @classmethod
+    def from_vector(cls, v: Sequence[float]) -> "Measurement":
+        """The inverse of :meth:`as_vector` (ops without calls left out)."""
+        m = cls(float(v[0]), float(v[1]))
+        for i, op in enumerate(OPS):
+            calls, sent, received, seconds, tiny = (float(a) for a in v[2 + 5 * i: 7 + 5 * i])
+            if calls > 0:
+                m.ops[op] = OpProbe(calls, sent, received, seconds, tiny)
+        return m
+
+
+VECTOR_LEN = 2 + 5 * len(OPS)
+
+
+class CallClock:
+    """The Communicator's bytes and seconds inside MPI per op, as deltas around a call."""
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self._bytes = comm.stats()["by_op"]
+        self._seconds = comm.timings()["by_op"]
+        self._t0 = time.perf_counter()
+
+    def stop(self, hook: MeasureHook = _identity) -> tuple[float, dict[str, OpProbe]]:
+        """(wall seconds outside MPI, per-op counts and hooked seconds) since construction.
+
+        The per-call agreement's seconds (op ``agree``) are left out of both:
+        they are a wait for peers, not the exchange.
+        """
+        wall = time.perf_counter() - self._t0
+        after_b, after_s = self.comm.stats()["by_op"], self.comm.timings()["by_op"]
+        ops: dict[str, OpProbe] = {}
+        mpi = 0.0
+        for op in OPS:
+            b0, b1 = self._bytes.get(op, {}), after_b.get(op, {})
+            calls = b1.get("calls", 0) - b0.get("calls", 0)
+            seconds = after_s.get(op, 0.0) - self._seconds.get(op, 0.0)
+            mpi += seconds
+            if calls > 0:
+                sent = b1["sent"] - b0.get("sent", 0.0)
+                received = b1["received"] - b0.get("received", 0.0)
+                ops[op] = OpProbe(calls, sent, received, hook(op, seconds, max(sent, received)))
+        other = sum(after_s.get(op, 0.0) - self._seconds.get(op, 0.0)
+                    for op in after_s if op not in OPS)
+        return max(wall - mpi - other, 0.0), ops
+
+
+def dry_run(method: Any, x: Any, name: str, comm: Any,
+            hook: MeasureHook = _identity) -> tuple[Measurement, Any]:
+    """One timed call of ``method`` (a throw-away copy) on a copy of ``x``; (measurement, its average)."""
+    comm.barrier()
+    clock = CallClock(comm)
+    avg = method.allreduce(x.copy(), name, comm)
+    compress_s, ops = clock.stop(hook)
+    return Measurement(hook(f"compress:{method.name}", compress_s, 0.0), 0.0, ops), avg
+
+
+#: Attributes of a method a dry run's copy does not take: per-tensor state, scratch buffers,
+#: pending agreements, the signatures already checked (the copy checks its own).
+_PER_TENSOR = ("state", "feedback", "_call_scratch", "_local_scratch", "_finite_gates", "_signatures")
+
+
+def throwaway_copy(method: Any) -> Any:
+    """A copy of ``method``'s configuration with no per-tensor state and no warm-up (what a dry
+    run calls): its error feedback starts from zero, as a bucket's first step does."""
+    clone = copy.copy(method)
+    clone.__dict__ = copy.deepcopy({k: v for k, v in method.__dict__.items() if k not in _PER_TENSOR})
+    clone.state = {}
+    clone.feedback = make_feedback(method.name, method.feedback.name, **method.feedback.params())
+    clone._signatures = set()
+    clone.warmup_steps = 0
+    return clone
+
+
+def relative_error(avg: Any, reference: Any) -> float:
+    """``||avg - reference|| / ||reference||`` in float64 (0 for two zero vectors)."""
+    a = np.asarray(to_host(avg), np.float64).ravel()
+    r = np.asarray(to_host(reference), np.float64).ravel()
+    norm = float(np.linalg.norm(r))
+    err = float(np.linalg.norm(a - r))
+    return err / norm if norm > 0 else (0.0 if err == 0 else float("inf"))
+
+
+def tiny_probes(comm: Any, ops: Sequence[str], repeats: int,
+                hook: MeasureHook = _identity) -> dict[str, float]:
+    """Median seconds of one ``op`` call moving an 8-byte message, per op in ``ops``."""
+    p, rank = comm.size, comm.rank
+    small = np.zeros(TINY_BYTES // 4, np.float32)
+    dest, src = (rank + 1) % p, (rank - 1) % p
+
+    def shift() -> None:
+        req = comm.isend(small, dest, tag=0x4155)
+        comm.recv(src, tag=0x4155, dtype=np.float32)
+        req.wait()
+    calls = {"allreduce": lambda: comm.allreduce(small),
+             "allgather": lambda: comm.allgather(small),
+             "allgatherv": lambda: comm.allgatherv(small),
+             "allgather_object": lambda: comm.allgather_object(0),
+             "alltoall": lambda: comm.alltoall(np.zeros(p, np.float32)),
+             "alltoallv": lambda: comm.alltoallv([small] * p),
+             "broadcast": lambda: comm.broadcast(small),
+             "p2p": shift}
+    out = {}
+    for op in ops:
+        times = []
+        for _ in range(repeats):
+            comm.barrier()
+            t0 = time.perf_counter()
+            calls[op]()
+            times.append(time.perf_counter() - t0)
+        out[op] = hook(op, float(np.median(times)), float(TINY_BYTES))
+    return out
+
+
+def agree(comm: Any, measurements: Sequence[Measurement]) -> list[Measurement]:
+    """Each number of ``measurements`` replaced by its maximum over ranks (one allreduce).
+
+    The maximum is exact and does not depend on the order MPI reduces in, so
+    every rank holds the same numbers afterwards; ranks must pass the same
+    number of measurements (the candidates, in the same order).
+    """
+    v = np.array([m.as_vector() for m in measurements], np.float64)
+    v = comm.allreduce(v.ravel(), "max").reshape(v.shape) if comm.size > 1 else v
+    return [Measurement.from_vector(row) for row in v]
+
+
+def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
+                       dry_runs: int, probe_repeats: int, reference: Any = None,
+                       hook: MeasureHook = _identity) -> list[Measurement]:
+    """Dry runs of every method on ``x``, the tiny probes of the ops they used, agreed over ranks.
+
+    The methods run in turn, ``dry_runs`` rounds of one call each (one throw-away copy per
+    method), so a slow phase of a shared machine falls on several candidates rather than on
+    all of one's calls; after the first round only those within :data:`PRUNE_FACTOR` of the
+    fastest run again. Each method's measurement is its fastest call (a call's first one
+    pays one-off costs: allocation, a threshold search, loading compiled kernels; a call
+    that met interference is slower, never faster). ``reference``: the exact average, where
+    the caller has it; otherwise the first method whose name is ``none`` gives it, or one
+    dense allreduce.
+    """
+    clones = [throwaway_copy(m) for m in methods]
+    measured: list[Measurement | None] = [None] * len(methods)
+    averages: list[Any] = [None] * len(methods)
+    running = list(range(len(methods)))
+    for round_ in range(dry_runs):
+        for i in running:
+            m, averages[i] = dry_run(clones[i], x, name, comm, hook)
+            best = measured[i]
+            if best is None or m.compress_s + m.mpi_s() < best.compress_s + best.mpi_s():
+                measured[i] = m
+        if round_ == 0 and dry_runs > 1:
+            # a candidate PRUNE_FACTOR times slower than the fastest in the first round keeps that
+            # measurement (an overestimate only by its one-off costs); the others run again.
+            # The times are agreed first (the maximum over ranks), so every rank keeps the same.
+            first = comm.allreduce(np.array([measured[i].compress_s + measured[i].mpi_s()
+                                             for i in running], np.float64), "max") \
+                if comm.size > 1 else [measured[i].compress_s + measured[i].mpi_s() for i in running]
+            fastest = float(min(first))
+            running = [i for i, t in zip(running, first) if t <= PRUNE_FACTOR * fastest]
+    if reference is None:
+        dense = [i for i, m in enumerate(methods) if m.name == "none"]
+        if dense:
+            reference = averages[dense[0]]
+        else:
+            xp = get_array_module(x)
+            reference = comm.allreduce(xp.asarray(x, dtype=xp.float64), op="avg")
+    used = sorted({op for m in measured for op in m.ops}, key=OPS.index)
+    tiny = tiny_probes(comm, used, probe_repeats, hook)
+    for m, avg in zip(measured, averages):
+        m.error = relative_error(avg, reference)
+        for op, probe in m.ops.items():
+            probe.tiny_s = tiny[op]
+    return agree(comm, measured)
+
+
+__all__ = ["OPS", "CallClock", "Measurement", "MeasureHook", "OpProbe", "agree", "dry_run",
+           "measure_candidates", "relative_error", "throwaway_copy", "tiny_probes"]

@@ -1,0 +1,364 @@
+"""``Compression.auto()`` on real MPI ranks (P = 2 and 4) and its decision rules in one process.
+
+The per-rank cases check: every rank takes the same decision and gets the same
+bits; a crafted disagreement between the ranks' measurements (each rank's
+link slow for another collective) still yields one decision, where the ranks'
+own measurements alone would not agree; a link that gets slower triggers a new
+decision after ``patience`` windows, a one-window blip does not, and a method is
+replaced only by one faster by the switch margin; switching away from a method
+with error feedback flushes its residual into the next step exactly; a
+checkpoint taken after a switch resumes bit-identical.
+
+A synthetic link (``measure_hook``) replaces every measured time in the cases
+that need determinism: ``alpha + bytes / rate`` per collective, a fixed time
+for compression, so decisions depend on the link the test sets and not on a
+shared machine's noise.
+"""
+from __future__ import annotations
+
+import pickle
+
+import numpy as np
+import pytest
+
+import horovod_compress as hvdc
+from horovod_compress.compressors import auto_measure
+from horovod_compress.compressors.auto import DEFAULT_CANDIDATES, Auto
+from horovod_compress.compressors.auto_decide import DriftMonitor, choose, predict_exchange
+from horovod_compress.compressors.auto_measure import Measurement, OpProbe
+from horovod_compress.compressors.registry import as_method
+from horovod_compress.testing import gather_float64, run_cases, same_on_all_ranks
+
+N = 1 << 18          # a 1 MiB bucket of float32 (real measurements)
+N_SYN = 1 << 14      # the synthetic-link cases' bucket (above min_numel, quick to compress)
+FAST, SLOW = 1e12, 1e6   # bytes/s of the synthetic link
+ALPHA = 1e-5
+#: seconds outside MPI per method on the synthetic link: dense computes least
+COMPRESS_S = {"none": 1e-3, "topk": 2e-3}
+
+
+class SyntheticLink:
+    """``measure_hook``: every collective takes ``alpha + bytes / rate``, each method's
+    compression a fixed time (:data:`COMPRESS_S`)."""
+
+    def __init__(self, rate: float = FAST) -> None:
+        self.rate = rate
+
+    def __call__(self, kind: str, seconds: float, nbytes: float) -> float:
+        if kind.startswith("compress:"):
+            return COMPRESS_S[kind.split(":")[1]]
+        return ALPHA + nbytes / self.rate
+
+
+def _grad(rank: int, step: int, n: int = N_SYN) -> np.ndarray:
+    return np.random.default_rng(1000 * step + rank).standard_normal(n).astype(np.float32)
+
+
+def _bits(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, np.float32).view(np.uint32)
+
+
+def _chosen_everywhere(comm, method: Auto) -> list[list[str]]:
+    """Each rank's (bucket, chosen) list, gathered."""
+    mine = sorted((b, d["chosen"]) for b, d in method.decisions().items())
+    return comm.allgather_object(mine)
+
+
+# --------------------------------------------------------------------- per-rank cases
+def case_all_ranks_choose_the_same(comm):
+    """Real measurements (default candidates): one decision and the same bits on every rank."""
+    method = hvdc.Compression.auto(dry_runs=1, probe_repeats=2)
+    for step in range(1, 4):
+        out = method.allreduce(_grad(comm.rank, step, N), "bucket0", comm)
+        assert same_on_all_ranks(comm, _bits(out)), "ranks disagree on the result"
+        avg = gather_float64(comm, _grad(comm.rank, step, N)).mean(axis=0)
+        assert np.isfinite(out).all() and out.shape == avg.shape
+    small = method.allreduce(np.ones(100, np.float32), "tiny", comm)
+    np.testing.assert_allclose(small, 1.0)
+    d = method.decisions()
+    assert d["tiny"]["chosen"] == "none" and "min_numel" in d["tiny"]["reason"]
+    table = d["bucket0"]["candidates"]
+    assert set(table) == set(DEFAULT_CANDIDATES)
+    assert table["none"]["error"] < 1e-6 and table["fp16"]["error"] < 1e-2
+    chosen = d["bucket0"]["chosen"]
+    assert d["bucket0"]["predicted_ms"] == min(v["predicted_ms"] for v in table.values()) \
+        or d["bucket0"]["predicted_ms"] == table[chosen]["predicted_ms"]
+    gathered = _chosen_everywhere(comm, method)
+    assert all(g == gathered[0] for g in gathered)
+    return {"chosen": chosen, "table": table, "decisions": len(method.decision_log())}
+
+
+def _disagreeing_hook(rank: int):
+    """Rank 0's link is slow for allgathers, rank 1's for allreduces; the others' as measured."""
+    slow = {0: ("allgather", "allgatherv"), 1: ("allreduce",)}.get(rank, ())
+
+    def hook(kind: str, seconds: float, nbytes: float) -> float:
+        if kind.startswith("compress:"):
+            return COMPRESS_S[kind.split(":")[1]]
+        return ALPHA + nbytes / FAST + (0.5 if kind in slow else 0.0)
+    return hook
+
+
+def case_crafted_disagreement_yields_one_decision(comm):
+    """Without the agreement each rank would pick another method; with it, one decision."""
+    labels = ["none", "topk"]
+    methods = [hvdc.Compression.none(), hvdc.Compression.topk()]
+    hook = _disagreeing_hook(comm.rank)
+    x = _grad(comm.rank, 1, N)
+    real_agree = auto_measure.agree
+    auto_measure.agree = lambda comm_, ms: list(ms)       # each rank's own numbers
+    try:
+        own = auto_measure.measure_candidates(methods, x, "b", comm, dry_runs=1, probe_repeats=1,
+                                              hook=hook)
+    finally:
+        auto_measure.agree = real_agree
+    own_pick = choose(labels, [predict_exchange(lb, m, comm.size) for lb, m in zip(labels, own)],
+                      [m.error for m in own], None)[0]
+    picks = comm.allgather_object(own_pick)
+    method = hvdc.Compression.auto(candidates=labels, dry_runs=1, probe_repeats=1, measure_hook=hook)
+    out = method.allreduce(x, "b", comm)
+    assert same_on_all_ranks(comm, _bits(out))
+    gathered = _chosen_everywhere(comm, method)
+    assert all(g == gathered[0] for g in gathered)
+    return {"own_picks": picks, "chosen": method.decisions()["b"]["chosen"]}
+
+
+def _run_steps(method, comm, link, steps, rate_at, name="b"):
+    outs = {}
+    for t in steps:
+        link.rate = rate_at(t)
+        outs[t] = method.allreduce(_grad(comm.rank, t), name, comm)
+    return outs
+
+
+def case_drift_redecides_with_hysteresis(comm):
+    """Fast link (dense), a one-window blip (no decision), a sustained slow link (a new decision
+    within two windows: Top-k), back to fast (a new decision that keeps Top-k: dense is faster
+    there, by 50%, but not by the switch margin of 60%)."""
+    link = SyntheticLink()
+    method = hvdc.Compression.auto(candidates=["none", "topk"], window=5, patience=2, band=0.5,
+                                   switch_margin=0.6, dry_runs=2, probe_repeats=1, measure_hook=link)
+
+    def rate(t: int) -> float:
+        return SLOW if 11 <= t <= 15 or 21 <= t <= 45 else FAST
+    _run_steps(method, comm, link, range(1, 66), rate)
+    log = [(d["step"], d["chosen"], d["reason"], d["switched"]) for d in method.decision_log()]
+    # at the slow link dense was pruned after one dry run (50x Top-k's time): its single
+    # measurement still priced it (the synthetic link gives every call the same time)
+    slow = method.decision_log()[1]["candidates"]
+    assert slow["none"]["predicted_ms"] > 3 * slow["topk"]["predicted_ms"]
+    gathered = comm.allgather_object(log)
+    assert all(g == gathered[0] for g in gathered)
+    return {"log": log}
+
+
+def case_switch_flushes_the_residual(comm):
+    """Top-k's residual e_i at the switch to dense is exchanged in the next step: out = avg(g + e)."""
+    link = SyntheticLink(SLOW)
+    method = hvdc.Compression.auto(candidates=["none", "topk"], window=2, patience=1, band=0.5,
+                                   switch_margin=0.0, dry_runs=1, probe_repeats=1, measure_hook=link)
+    for t in range(1, 5):                     # slow: Top-k; windows close at calls 2 and 4
+        method.allreduce(_grad(comm.rank, t), "b", comm)
+    assert method.decisions()["b"]["chosen"] == "topk"
+    link.rate = FAST
+    for t in range(5, 7):                     # fast: the window of calls 5-6 is outside the band
+        method.allreduce(_grad(comm.rank, t), "b", comm)
+    residual = method.candidates["topk"].state["b"]["fb_residual"].astype(np.float64)
+    assert np.abs(residual).sum() > 0
+    g = _grad(comm.rank, 7)
+    out = method.allreduce(g, "b", comm)     # call 7 decides again: dense wins by the alpha term
+    d = method.decisions()["b"]
+    assert d["chosen"] == "none" and d["reason"] == "drift" and d["switched"]
+    expected = gather_float64(comm, g.astype(np.float64) + residual).mean(axis=0)
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+    assert "b" not in method.candidates["topk"].state      # handed over, not kept twice
+    out8 = method.allreduce(_grad(comm.rank, 8), "b", comm)   # paid once: plain dense afterwards
+    np.testing.assert_allclose(out8, gather_float64(comm, _grad(comm.rank, 8)).mean(axis=0),
+                               rtol=1e-5, atol=1e-6)
+    return {}
+
+
+def case_error_budget_excludes_a_faster_method(comm):
+    """On a slow link Top-k is predicted fastest, but its measured one-step error (about 0.9 at
+    1% density from a zero residual) exceeds a budget of 0.5: dense is chosen, and the table says why."""
+    link = SyntheticLink(SLOW)
+    free = hvdc.Compression.auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
+                                 measure_hook=link)
+    bounded = hvdc.Compression.auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
+                                    error_budget=0.5, measure_hook=link)
+    g = _grad(comm.rank, 1)
+    free.allreduce(g, "b", comm)
+    out = bounded.allreduce(g, "b", comm)
+    assert free.decisions()["b"]["chosen"] == "topk"
+    d = bounded.decisions()["b"]
+    assert d["chosen"] == "none" and d["runner_up"] is None
+    table = d["candidates"]
+    assert table["topk"]["error"] > 0.5 and not table["topk"]["eligible"]
+    assert table["none"]["error"] == 0.0 and table["none"]["eligible"]
+    np.testing.assert_allclose(out, gather_float64(comm, g).mean(axis=0), rtol=1e-5, atol=1e-6)
+    return {}
+
+
+def case_checkpoint_after_switch_resumes_bit_identical(comm):
+    """A checkpoint taken after dense -> Top-k (error feedback live) resumes the same bits,
+    including the later switch back to dense and its flush of the residual."""
+    def rate(t: int) -> float:
+        return SLOW if 6 <= t <= 30 else FAST
+
+    def fresh(link):
+        return hvdc.Compression.auto(candidates=["none", "topk"], window=3, patience=2, band=0.5,
+                                     switch_margin=0.0, dry_runs=1, probe_repeats=1, measure_hook=link)
+    link_a = SyntheticLink()
+    a = fresh(link_a)
+    _run_steps(a, comm, link_a, range(1, 21), rate)
+    assert a.decisions()["b"]["chosen"] == "topk" and len(a.decision_log()) == 2
+    saved = pickle.dumps(a.state_dict())
+    tail_a = _run_steps(a, comm, link_a, range(21, 46), rate)
+    link_b = SyntheticLink()
+    b = fresh(link_b)
+    b.load_state_dict(pickle.loads(saved))
+    tail_b = _run_steps(b, comm, link_b, range(21, 46), rate)
+    for t in tail_a:
+        assert np.array_equal(_bits(tail_a[t]), _bits(tail_b[t])), f"step {t} differs after resume"
+    assert a.decision_log() == b.decision_log()
+    assert [d["chosen"] for d in a.decision_log()] == ["none", "topk", "none"]
+    return {"decisions": len(a.decision_log())}
+
+
+def case_torch_optimizer_with_auto(comm):
+    """Our torch DistributedOptimizer accepts auto: parameters stay equal on every rank."""
+    import torch
+    from horovod_compress.torch import DistributedOptimizer
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
+    method = hvdc.Compression.auto(candidates=["none", "fp16", "topk"], dry_runs=1, probe_repeats=1,
+                                   min_numel=1024)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                               named_parameters=model.named_parameters(), compression=method)
+    gen = torch.Generator().manual_seed(comm.rank)
+    for _ in range(3):
+        opt.zero_grad()
+        x = torch.randn(32, 64, generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(x), torch.randint(0, 10, (32,), generator=gen))
+        loss.backward()
+        opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    assert same_on_all_ranks(comm, _bits(flat))
+    assert method.decisions(), "no bucket decided"
+    return {"buckets": len(method.decisions())}
+
+
+CORE_CASES = [case_all_ranks_choose_the_same, case_crafted_disagreement_yields_one_decision,
+              case_drift_redecides_with_hysteresis, case_switch_flushes_the_residual,
+              case_error_budget_excludes_a_faster_method,
+              case_checkpoint_after_switch_resumes_bit_identical]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
+def mpi(request):
+    return run_cases(request.param, __file__, CORE_CASES, timeout=600)
+
+
+# ----------------------------------------------------------------------- tests
+def test_all_ranks_choose_the_same(mpi):
+    out = mpi[case_all_ranks_choose_the_same]
+    assert all(v == out[0] for v in out.values())
+    assert out[0]["decisions"] == 2          # the bucket and the tiny one, each decided once
+
+
+def test_crafted_disagreement_yields_one_decision(mpi):
+    out = mpi[case_crafted_disagreement_yields_one_decision]
+    picks = out[0]["own_picks"]
+    assert picks[0] == "none" and picks[1] == "topk", picks   # the ranks alone disagree
+    assert len({v["chosen"] for v in out.values()}) == 1
+
+
+def test_drift_redecides_with_hysteresis(mpi):
+    log = mpi[case_drift_redecides_with_hysteresis][0]["log"]
+    # call 1: dense; the blip (calls 11-15) is one window: nothing; slow from call 21: windows
+    # 21-25 and 26-30 -> a new decision at call 31 (10 steps after the change); fast from call 46:
+    # windows 46-50 and 51-55 (counted from call 31) -> call 56 decides again and keeps Top-k
+    assert log == [[1, "none", "first call", True], [31, "topk", "drift", True],
+                   [56, "topk", "drift", False]], log
+
+
+def test_switch_flushes_the_residual(mpi):
+    assert all(v == {} for v in mpi[case_switch_flushes_the_residual].values())
+
+
+def test_error_budget_excludes_a_faster_method(mpi):
+    assert all(v == {} for v in mpi[case_error_budget_excludes_a_faster_method].values())
+
+
+def test_checkpoint_after_switch_resumes_bit_identical(mpi):
+    assert all(v == {"decisions": 3} for v in mpi[case_checkpoint_after_switch_resumes_bit_identical].values())
+
+
+def test_torch_optimizer_with_auto():
+    """Two ranks suffice for the front-end path (the cases above cover P = 4)."""
+    out = run_cases(2, __file__, [case_torch_optimizer_with_auto], timeout=600)[case_torch_optimizer_with_auto]
+    assert all(v["buckets"] >= 1 for v in out.values())
+
+
+# ----------------------------------------------------------------- one process
+def _m(compress_s, **ops):
+    return Measurement(compress_s, 0.0, {op: OpProbe(*v) for op, v in ops.items()})
+
+
+def test_prediction_reproduces_the_probed_calls():
+    """At the probed size the model gives back compression + each op's measured seconds."""
+    m = _m(0.002, allreduce=(2, 4e6, 4e6, 0.05, 1e-4), allgatherv=(1, 1e5, 1e5, 0.004, 5e-5))
+    assert predict_exchange("x", m, 4) == pytest.approx(0.002 + 0.05 + 0.004, rel=1e-9)
+    assert predict_exchange("x", _m(0.001), 2) == 0.001
+
+
+def test_choose_budget_tie_and_margin():
+    labels = ["none", "fp16", "topk"]
+    assert choose(labels, [3.0, 2.0, 1.0], [0, 1e-3, 0.9], None)[:2] == ("topk", "fp16")
+    assert choose(labels, [3.0, 2.0, 1.0], [0, 1e-3, 0.9], 0.1)[:2] == ("fp16", "none")
+    assert choose(labels, [1.0, 1.0, 1.0], [0, 0, 0], None)[0] == "none"        # first listed
+    # hysteresis: the current one stays unless the best is faster by the margin
+    assert choose(labels, [1.0, 0.95, 2.0], [0, 0, 0], None, "none", 0.1)[0] == "none"
+    assert choose(labels, [1.0, 0.85, 2.0], [0, 0, 0], None, "none", 0.1)[0] == "fp16"
+    # a budget nobody meets: the least error, and nobody eligible
+    chosen, _, ok = choose(labels, [3.0, 2.0, 1.0], [0.5, 0.2, 0.9], 0.01)
+    assert chosen == "fp16" and ok == [False, False, False]
+
+
+def test_drift_monitor_reference_band_and_patience():
+    m = DriftMonitor(predicted_s=0.5, window=3, band=0.5, patience=2)
+    assert not m.observe(1.0) and not m.observe(9.0) and m.observe(1.2)
+    assert m.ratio() == pytest.approx(2.4)                 # the median: one slow step does not count
+    assert not m.close_window(1.2) and m.reference == 1.2  # the first window is the reference
+    assert not m.close_window(1.6)                         # 1.33x the reference: inside the band
+    assert not m.close_window(2.0) and m.close_window(0.5)   # two windows out of band in a row
+    assert m.strikes == 2
+    assert not m.close_window(1.2) and m.strikes == 0
+    late = DriftMonitor(predicted_s=1.0, window=1, band=0.5, patience=1)
+    assert not late.close_window(10.0) and late.reference == 1.5   # clamped: a change within the
+    assert late.close_window(10.0)                                 # first window still shows
+
+
+def test_accepted_everywhere_a_method_is_and_checks_its_arguments():
+    assert isinstance(as_method(hvdc.Compression.auto), Auto)
+    assert hvdc.Compression.auto(candidates=["none", hvdc.Compression.fp16]).candidates.keys() == {"none", "fp16"}
+    assert "randk" not in DEFAULT_CANDIDATES
+    for bad, words in [(dict(candidates=["powersgd"]), "flat methods only"),
+                       (dict(candidates=["topk", "topk"]), "once"),
+                       (dict(candidates=[]), "non-empty"),
+                       (dict(candidates=["auto"]), "cannot itself"),
+                       (dict(candidates=[hvdc.Compression.topk(feedback="ef21")]), "carries"),
+                       (dict(window=0), "window"), (dict(error_budget=-1), "error_budget")]:
+        with pytest.raises(ValueError, match=words):
+            hvdc.Compression.auto(**bad)
+
+
+def test_nonfinite_policy_reaches_every_candidate():
+    m = hvdc.Compression.auto(nonfinite="skip")
+    assert {c.nonfinite for c in m.candidates.values()} == {"skip"}
+
+
+def test_state_dict_refuses_other_candidates():
+    sd = hvdc.Compression.auto(candidates=["none", "fp16"]).state_dict()
+    with pytest.raises(ValueError, match="candidates"):
+        hvdc.Compression.auto(candidates=["none", "topk"]).load_state_dict(sd)
