@@ -16,13 +16,15 @@ over the ``2 * STEPS`` measured steps; nothing may be created after the
 warm-up. One long run per world size (the issue's 2-layer model and
 GreedyLore, :data:`LONG_STEPS` steps) bounds the memory slope itself.
 
-Before the fix this test failed: the lockstep runner's per-tensor proxy
-communicators were the keys of the check-communicator cache, whose values
-referenced the keys, so every matrix method (GreedyLore, ARC-Top-K, lazy
-projection, the row methods) kept four proxy objects, four stand-in check
-communicators and their cache entries per step of the 4-tensor model: the
-per-type check reported ``_Proxy``, ``_CheckProxy`` and ``KeyedRef`` growing
-by exactly 4 per step, and the long run about 1.6 KB of memory per step.
+Before the fix (one check communicator per real MPI communicator, cached on
+it: ``mpi_collectives/check_group.py``) this test failed: the lockstep
+runner's per-tensor proxies were the keys of a weak-keyed check-communicator
+cache whose values referenced the keys, so every lockstep method (GreedyLore,
+ARC-Top-K, lazy projection, the row methods) kept its proxies, their stand-in
+check communicators and their rounds: ``case_torch_optimizer`` at P = 2
+reported ``lockstep._Proxy``, ``lockstep._CheckProxy`` and
+``weakref.ReferenceType`` objects growing by 4.00 per step (one per tensor of
+the 4-tensor model) and ``lockstep._Round`` by 1.00 per step.
 
 This file is also the script the ``torchrun`` ranks run (``python
 tests/test_long_run.py ranks_ddp_hook OUT``).
