@@ -15,7 +15,6 @@ from __future__ import annotations
 import ast
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -26,16 +25,14 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Sequence, Union
 
+from .mpi_launcher import CASES_RUN
+from .mpi_launcher import selected as selected_mpi
+
 
 def mpirun_command(nprocs: int) -> list[str]:
-    """``mpirun`` with the flags this machine needs (root, oversubscription)."""
-    exe = shutil.which("mpirun")
-    if exe is None:
-        raise RuntimeError("mpirun not found: run scripts/setup.sh (installs Open MPI)")
-    cmd = [exe, "-np", str(nprocs), "--oversubscribe"]
-    if hasattr(os, "geteuid") and os.geteuid() == 0:
-        cmd.append("--allow-run-as-root")
-    return cmd
+    """The MPI launcher (``mpirun``, or MPICH's ``mpiexec`` under ``HVDC_MPI=mpich``) with the
+    flags this machine needs (root, oversubscription): :mod:`horovod_compress.mpi_launcher`."""
+    return selected_mpi().command(nprocs)
 
 
 #: The order in which the launcher below probes Horovod's framework extensions. Before every job
@@ -91,7 +88,7 @@ def horovod_build_skipped() -> bool:
 JOB_VARIABLE_PREFIXES = ("PMIX_", "PMI_", "ORTE_", "OMPI_COMM_WORLD_", "OMPI_APP_CTX", "OMPI_UNIVERSE",
                          "OMPI_FIRST_RANKS", "OMPI_NUM_APP_CTX", "OMPI_FILE_LOCATION", "OMPI_MCA_orte_ess",
                          "OMPI_MCA_orte_launch", "OMPI_MCA_orte_precondition", "OMPI_MCA_orte_hnp",
-                         "OMPI_MCA_ess", "OMPI_MCA_pmix")
+                         "OMPI_MCA_ess", "OMPI_MCA_pmix", "MPI_LOCALNRANKS", "MPI_LOCALRANKID")
 
 
 def launcher_free_environ() -> dict[str, str]:
@@ -109,9 +106,7 @@ def mpi_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = launcher_free_environ()
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("NUMBA_NUM_THREADS", "1")
-    env.setdefault("OMPI_MCA_rmaps_base_oversubscribe", "1")
-    env.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    env.setdefault("OMPI_MCA_btl_vader_single_copy_mechanism", "none")
+    env = selected_mpi({**env, **(extra or {})}).environ(env)    # the implementation's settings
     env.setdefault("PYTHONHASHSEED", "0")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     if extra:
@@ -199,6 +194,7 @@ class CaseResults(Mapping):
         self.read: set[str] = set()
         self.failures_read = False
         CASE_LEDGER.append(self)
+        CASES_RUN[selected_mpi().name] += len(values) + len(failures)
 
     def __getitem__(self, case: CaseRef) -> dict[int, Any]:
         name = _case_name(case)

@@ -4,6 +4,7 @@
 #   scripts/setup.sh            # Open MPI (if missing), .venv, pinned deps, Horovod 0.28.1,
 #                               # and the Numba kernels compiled once into their cache
 #   HVDC_SKIP_HOROVOD=1 scripts/setup.sh   # everything except the Horovod build
+#   HVDC_SKIP_MPICH=1 scripts/setup.sh     # without MPICH, the second MPI the tests run on
 #
 # A second run finishes in seconds: each step checks a stamp first.
 # The Horovod wheel is built once per (torch, tensorflow) pair and cached in
@@ -33,6 +34,14 @@ if ! command -v ip >/dev/null 2>&1 || ! command -v tc >/dev/null 2>&1; then
   DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq iproute2 >/dev/null
 fi
 
+# 1c. MPICH from Debian, the second MPI implementation the tests run on (scripts/test.sh), only
+#     when missing. Without the -dev package: Open MPI stays the default mpirun, mpicc and libmpi.so.
+if [ "${HVDC_SKIP_MPICH:-0}" != 1 ] && ! command -v mpiexec.mpich >/dev/null 2>&1; then
+  log "installing MPICH (Debian packages; Open MPI stays the default)"
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends mpich >/dev/null
+fi
+
 # 2. The virtual environment.
 if [ ! -x "$venv/bin/python" ]; then
   log "creating .venv"
@@ -54,6 +63,18 @@ if [ ! -f "$stamp" ]; then
   pip install -r "$req"
   pip install --no-deps -e "$root"
   rm -f "$venv"/.hvdc-deps-*; touch "$stamp"
+fi
+
+# 3b. mpi4py's wheel loads MPICH's ABI module when told to (horovod_compress/mpi_launcher.py sets
+#     MPI4PY_LIBMPI for MPICH runs); that module links to libmpi.so.12, which Debian's MPICH calls
+#     libmpich.so.12: one link in the venv, on LD_LIBRARY_PATH for MPICH ranks only.
+if [ "${HVDC_SKIP_MPICH:-0}" != 1 ] && [ ! -e "$venv/mpich-abi/libmpi.so.12" ]; then
+  libmpich=$(/sbin/ldconfig -p | awk '/libmpich\.so\.12 /{lib=$NF} END{print lib}')
+  if [ -n "$libmpich" ]; then
+    mkdir -p "$venv/mpich-abi" && ln -sf "$libmpich" "$venv/mpich-abi/libmpi.so.12"
+  else
+    log "MPICH's libmpich.so.12 not found: MPICH runs will fail (HVDC_SKIP_MPICH=1 to skip MPICH)"
+  fi
 fi
 
 # 4. Horovod 0.28.1 with PyTorch + TensorFlow ops, built from the PyPI sdist.

@@ -23,3 +23,16 @@ def cupy():
     except Exception as exc:  # noqa: BLE001 - CUDA driver missing or broken
         pytest.skip(f"no usable CUDA device: {exc}")
     return module
+
+
+def pytest_report_header(config):
+    """Which MPI implementation this run launches (``HVDC_MPI``: openmpi or mpich)."""
+    from horovod_compress.mpi_launcher import ENV_VAR, selected
+    return f"MPI implementation: {selected().name} (set {ENV_VAR}=openmpi|mpich to choose)"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The number of MPI cases (``run_cases``) this run executed on each implementation."""
+    from horovod_compress.mpi_launcher import CASES_RUN
+    for name, count in sorted(CASES_RUN.items()):
+        terminalreporter.write_line(f"MPI cases run on {name}: {count}")

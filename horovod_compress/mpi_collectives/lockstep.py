@@ -55,6 +55,7 @@ from greenlet import greenlet
 
 from ..kernels.arrays import is_gpu_array
 from .accounting import PhaseLabel
+from .check_group import check_group_of
 
 _ELEMENTWISE = {"sum": "sum", "avg": "sum", "average": "sum", "max": "max", "min": "min",
                 "prod": "prod"}
@@ -70,13 +71,11 @@ class _Call:
 
 
 class _CheckProxy:
-    """``comm.comm`` of a proxy: the mpi4py-like surface ``runtime.consistency`` uses."""
+    """A proxy's check group: the mpi4py-like surface ``runtime.consistency`` uses, posting to the
+    round (which fuses the round's checks into one allgather on the real communicator's group)."""
 
     def __init__(self, proxy: "_Proxy") -> None:
         self._proxy = proxy
-
-    def Dup(self) -> "_CheckProxy":  # noqa: N802 - mpi4py's name
-        return self
 
     def Get_size(self) -> int:  # noqa: N802
         return self._proxy.size
@@ -104,7 +103,18 @@ class _Proxy(PhaseLabel):
         self._phase: str | None = None
         self.rank = rnd.real.rank
         self.size = rnd.real.size
-        self.comm = _CheckProxy(self)
+
+    def check_group(self) -> _CheckProxy:
+        """Where this tensor's checks go: the round, not a communicator of their own. A new
+        small object per call, holding nothing once the call returns -- the proxies are new
+        at every step, so nothing may be cached per proxy (that grew with the step count)."""
+        return _CheckProxy(self)
+
+    @property
+    def comm(self) -> _CheckProxy:
+        """The mpi4py-like view code that reads ``comm.comm`` gets (never the real communicator:
+        a collective on it would bypass the round)."""
+        return _CheckProxy(self)
 
     @property
     def backend(self) -> str:
@@ -157,6 +167,7 @@ class _Round:
 
     def run(self, fns: Sequence[Callable[[Any], Any]]) -> tuple[list[Any], list[BaseException | None]]:
         n = self.n
+        check_group_of(self.real)   # the real communicator's check group exists before any tensor runs
         lets = [greenlet(lambda k=k, fn=fn: fn(_Proxy(self, k)), parent=self.scheduler)
                 for k, fn in enumerate(fns)]
         results: list[Any] = [None] * n
@@ -261,9 +272,8 @@ def _fused_allgather(real: Any, group: list[_Call]) -> None:
 
 
 def _check_group(real: Any) -> Any:
-    """The private duplicate ``runtime.consistency`` runs its checks on (created once per communicator)."""
-    from ..runtime.consistency import check_comm  # noqa: PLC0415 - the checks' own cache, one level up
-    group = check_comm(real)
+    """The group ``runtime.consistency`` runs its checks on: one per real communicator (:mod:`.check_group`)."""
+    group = check_group_of(real)
     return group if group is not None else real.comm
 
 

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import threading
-import weakref
 from typing import Any, Sequence
 
 import numpy as np
 
+from ..mpi_collectives.check_group import check_group_of
 from .buckets import TensorSpec
 
 
@@ -74,27 +73,19 @@ def _describe(lists: list[list[tuple]]) -> str:
 
 NONFINITE = 1
 NEW_SIGNATURE = 2
-_CHECK_COMMS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-_CHECK_LOCK = threading.Lock()
 
 
 def check_comm(comm: Any) -> Any:
-    """The mpi4py duplicate of ``comm.comm`` used for checks (created at ``comm``'s first use).
+    """The communicator ``comm``'s checks run on: one private duplicate per real MPI communicator.
 
-    The first ``Method.allreduce`` on a communicator is the first call on
-    every rank, so the collective ``Dup`` happens at the same point
-    everywhere. ``None`` for communicator-like objects without an mpi4py ``comm``.
+    :func:`~horovod_compress.mpi_collectives.check_group.check_group_of`:
+    cached on the MPI communicator itself, whatever objects wrap it (a lockstep
+    proxy routes its checks to its round instead), created at the first check
+    -- the first ``Method.allreduce`` on the communicator, the same point on
+    every rank -- and freed by MPI with the communicator. ``None`` for
+    communicator-like objects without an mpi4py ``comm``.
     """
-    raw = getattr(comm, "comm", None)
-    if raw is None or not hasattr(raw, "Dup"):
-        return None
-    with _CHECK_LOCK:
-        dup = _CHECK_COMMS.get(comm)
-    if dup is None:
-        dup = raw.Dup()
-        with _CHECK_LOCK:
-            _CHECK_COMMS[comm] = dup
-    return dup
+    return check_group_of(comm)
 
 
 def _allgather(comm: Any, mine: np.ndarray) -> np.ndarray:
