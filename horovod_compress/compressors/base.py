@@ -41,7 +41,6 @@ from ..kernels.arrays import (
 )
 from ..mpi_collectives import timeline as _timeline
 from ..runtime import world as _world
-from ..runtime.timeline_file import ensure_env_timeline
 from ..runtime.consistency import NEW_SIGNATURE, NONFINITE, TensorMismatchError, agree, check_same_signature
 from ..params import check_int
 
@@ -179,7 +178,7 @@ class Method:
         off with ``HVDC_ABORT_ON_EXCEPTION=0``).
         """
         _world.ensure_abort_on_exception(comm)   # once per process; a flag test afterwards
-        ensure_env_timeline(comm)                # HOROVOD_TIMELINE: likewise
+        _world.ensure_env_timeline(comm)         # HOROVOD_TIMELINE: likewise
         rec = _timeline.recorder
         if rec is None:
             return self._allreduce(grad, name, comm)

@@ -111,6 +111,7 @@ class GradientExchange:
         ``fill_missing`` is true, as Horovod does, so every rank still takes
         part in every collective.
         """
+        arrivals = self._arrivals           # the backward pass's gradients, not the zeros below
         if fill_missing:
             for name in self.pending():
                 b, j = self._where[name]
@@ -127,8 +128,8 @@ class GradientExchange:
         self.wait_seconds += t1 - t0
         rec = _timeline.recorder
         if rec is not None:
-            if self._arrivals is not None:
-                rec.add("gradients arriving", "step", *self._arrivals, {"buckets": len(self.buckets)})
+            if arrivals is not None:
+                rec.add("gradients arriving", "step", *arrivals, {"buckets": len(self.buckets)})
             if self.overlap:
                 rec.add("wait for buckets", _timeline.WAIT, t0, t1)
         error, results = self._error, self._results
