@@ -18,6 +18,7 @@ markdown table on rank 0.
 """
 from __future__ import annotations
 
+import os
 import platform
 import time
 
@@ -72,8 +73,8 @@ def main() -> None:
     if comm.rank == 0:
         print(f"# Cost of `Compression.auto`'s decision, P = {comm.size}\n")
         print(f"`mpirun -np {comm.size}` on one machine ({platform.machine()}, {hvdc.__name__} "
-              f"{hvdc.__version__}; shared-memory transport), a 2-core machine shared with other "
-              f"engineers' jobs while it ran, {comm.size} ranks on 2 cores"
+              f"{hvdc.__version__}; shared-memory transport), load average {os.getloadavg()[0]:.1f} on "
+              f"{os.cpu_count()} cores when it started, {comm.size} ranks"
               f"{' (oversubscribed)' if comm.size > 2 else ''}: timings carry that machine's noise. "
               f"Default candidates, `dry_runs=2`; times are the slowest rank's, in ms; the steady "
               f"columns are medians of {STEPS} calls, auto's and the chosen method's by hand "

@@ -137,7 +137,7 @@ class Auto(Method):
         self.switch_margin = check_float(self.name, "switch_margin", switch_margin, 0.0, 1.0,
                                          high_open=True)
         self.min_numel = check_int(self.name, "min_numel", min_numel, 0)
-        self.measure_hook: MeasureHook = measure_hook or (lambda kind, seconds, nbytes: seconds)
+        self.measure_hook: MeasureHook | None = measure_hook
         self._decisions: dict[str, Decision] = {}
         self._monitors: dict[str, DriftMonitor] = {}
         self._redecide: set[str] = set()
@@ -148,6 +148,10 @@ class Auto(Method):
         self.set_nonfinite(self.nonfinite)
 
     # ------------------------------------------------------------- settings
+    def _measured(self, kind: str, seconds: float, nbytes: float) -> float:
+        """A measured time as the decision sees it: through ``measure_hook`` where one is given."""
+        return seconds if self.measure_hook is None else self.measure_hook(kind, seconds, nbytes)
+
     def params(self) -> dict[str, Any]:
         return {"candidates": tuple(repr(m) for m in self.candidates.values()),
                 "error_budget": self.error_budget, "dry_runs": self.dry_runs,
@@ -218,9 +222,9 @@ class Auto(Method):
             x = grad.astype(debt.dtype) + debt.reshape(grad.shape)
         clock = CallClock(comm)
         out = inner.allreduce(x, name, comm)
-        compress_s, ops = clock.stop(self.measure_hook)
+        compress_s, ops = clock.stop(self._measured)
         if not inner.last_step_skipped:
-            compress_s = self.measure_hook(f"compress:{inner.name}", compress_s, 0.0)
+            compress_s = self._measured(f"compress:{inner.name}", compress_s, 0.0)
             self._watch(name, inner, compress_s + sum(o.seconds for o in ops.values()), comm)
         return out.astype(grad.dtype, copy=False) if out.dtype != grad.dtype else out
 
@@ -262,7 +266,7 @@ class Auto(Method):
         else:
             measured = measure_candidates(list(self.candidates.values()), x, name, comm,
                                           dry_runs=self.dry_runs, probe_repeats=self.probe_repeats,
-                                          hook=self.measure_hook)
+                                          hook=self._measured)
             predicted = [predict_exchange(lb, m, comm.size) for lb, m in zip(labels, measured)]
             errors = [m.error for m in measured]
             chosen, runner, eligible = choose(labels, predicted, errors, self.error_budget,

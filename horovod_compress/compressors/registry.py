@@ -120,6 +120,8 @@ def defaults(name: str) -> dict[str, Any]:
                 value = nested[param.name]
             elif isinstance(getattr(built, param.name, None), (str, int, float, bool)):
                 value = getattr(built, param.name)
+            elif isinstance(getattr(built, param.name, None), dict):   # auto's candidates: their names
+                value = tuple(getattr(built, param.name))
         out[param.name] = value
     for key, value in built.feedback.params().items():
         out.setdefault(key, value)
