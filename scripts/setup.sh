@@ -42,6 +42,15 @@ if [ "${HVDC_SKIP_MPICH:-0}" != 1 ] && ! command -v mpiexec.mpich >/dev/null 2>&
   DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends mpich >/dev/null
 fi
 
+# 1d. Chromium (Debian), only when missing: the documentation test renders the key pages
+#     headless at 1400 px (scripts/screenshots.sh). HVDC_SKIP_BROWSER=1 leaves it out, and the
+#     docs test then skips its screenshots instead of failing.
+if [ "${HVDC_SKIP_BROWSER:-0}" != 1 ] && ! command -v chromium >/dev/null 2>&1; then
+  log "installing Chromium (Debian package: the docs' screenshot test)"
+  as_root apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive as_root apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core >/dev/null
+fi
+
 # 2. The virtual environment.
 if [ ! -x "$venv/bin/python" ]; then
   log "creating .venv"
