@@ -436,24 +436,29 @@ def test_own_parameters_name_real_methods():
 
 # At P = 2 every entry point; at P = 4 (two ranks per core here) the core paths, the per-tensor
 # fusion and the check group -- the TensorFlow, Keras and Horovod front-ends call into those same
-# paths, and tracing their 18 models on 4 oversubscribed ranks would cost minutes.
-GROWTH_CASES = {2: [case_method_allreduce, case_torch_optimizer, case_tf_tape, case_keras_optimizer,
-                    case_horovod_torch_optimizer],
+# paths, and tracing their 18 models on 4 oversubscribed ranks would cost minutes. The core and
+# the framework cases run as two jobs (each within the suite's per-test time limit).
+CORE_CASES = [case_one_check_group_per_communicator, case_method_allreduce, case_torch_optimizer,
+              case_long_run_memory]
+FRAMEWORK_CASES = [case_tf_tape, case_keras_optimizer, case_horovod_torch_optimizer]
+GROWTH_CASES = {2: [case_method_allreduce, case_torch_optimizer, *FRAMEWORK_CASES],
                 4: [case_method_allreduce, case_torch_optimizer]}
-_RUNS: dict[int, Any] = {}
+_RUNS: dict[tuple[int, str], Any] = {}
 
 
-def mpi_results(nprocs: int) -> Any:
-    """Every case for ``nprocs`` ranks, in one ``mpirun`` (run once, on first use)."""
-    from horovod_compress.testing import run_cases
+def mpi_results(nprocs: int, case: Callable[[Any], Any]) -> dict[int, Any]:
+    """``case``'s per-rank results on ``nprocs`` ranks; its job (core or framework cases, one
+    ``mpirun``) runs once, on first use."""
     from horovod_compress.mpi_launcher import selected
-    if nprocs not in _RUNS:
-        cases = [case_one_check_group_per_communicator, *GROWTH_CASES[nprocs], case_long_run_memory]
+    from horovod_compress.testing import run_cases
+    group = "frameworks" if case in FRAMEWORK_CASES else "core"
+    if (nprocs, group) not in _RUNS:
+        cases = FRAMEWORK_CASES if group == "frameworks" else CORE_CASES
         if selected().name != "openmpi":      # Horovod is built against Open MPI
             cases = [c for c in cases if c is not case_horovod_torch_optimizer]
-        _RUNS[nprocs] = run_cases(nprocs, __file__, cases, timeout=540,
-                                  env={"HVDC_ABORT_ON_EXCEPTION": "0"})
-    return _RUNS[nprocs]
+        _RUNS[nprocs, group] = run_cases(nprocs, __file__, cases, timeout=540,
+                                         env={"HVDC_ABORT_ON_EXCEPTION": "0"})
+    return _RUNS[nprocs, group][case]
 
 
 @pytest.mark.mpi
@@ -461,7 +466,7 @@ def mpi_results(nprocs: int) -> Any:
 def test_one_check_group_per_communicator(nprocs):
     """Wrappers share the group of their MPI communicator; each new communicator (the user's
     Dup, a Split) gets one group of its own, freed when the communicator is freed."""
-    for r, got in mpi_results(nprocs)[case_one_check_group_per_communicator].items():
+    for r, got in mpi_results(nprocs, case_one_check_group_per_communicator).items():
         # a Split by parity: P/2 ranks each; created: the Dup, its group, the Split, its group
         assert got == {"sum": float(nprocs // 2), "created": 4}, (r, got)
 
@@ -473,7 +478,7 @@ def test_one_check_group_per_communicator(nprocs):
                          ids=lambda v: f"P{v}" if isinstance(v, int) else v.__name__[len("case_"):])
 def test_nothing_grows_per_step(nprocs, case):
     """After the warm-up, no communicator is created and nothing the process holds grows."""
-    per_rank = mpi_results(nprocs)[case]
+    per_rank = mpi_results(nprocs, case)
     if any(isinstance(v, dict) and "skipped" in v for v in per_rank.values()):
         pytest.skip(per_rank[0].get("skipped", "skipped"))
     bad = {f"rank {r}": got for r, got in per_rank.items() if got}
@@ -485,7 +490,7 @@ def test_nothing_grows_per_step(nprocs, case):
 def test_long_run_memory_is_flat(nprocs):
     """GreedyLore through the PyTorch optimizer: no communicator after the warm-up, and a
     resident-memory slope below :data:`LONG_KB_PER_STEP` (the leak was 1.6 KB per step)."""
-    for r, got in mpi_results(nprocs)[case_long_run_memory].items():
+    for r, got in mpi_results(nprocs, case_long_run_memory).items():
         assert got["created"] == 0, (r, got)
         assert got["kb_per_step"] < LONG_KB_PER_STEP, (r, got)
 
