@@ -15,13 +15,13 @@ if [ "${HVDC_SKIP_MPICH:-0}" = 1 ]; then
 fi
 status=0
 HVDC_MPI=openmpi "${pytest[@]}" "$@" || status=$?
-# MPICH pass: the core methods and the harness at P = 2 and 4, and the long-run test.
+# MPICH pass: the core methods at P = 2 and 4, the harness and launcher, and the long-run test.
 # Horovod is built against Open MPI: its tests (marker "horovod") run in the pass above only.
 # pytest exit 5 (no test selected, e.g. by a -k for other files) is not a failure.
 mpich_status=0
 HVDC_MPI=mpich "${pytest[@]}" -m "not horovod" \
   tests/test_foundation.py tests/test_powersgd.py tests/test_greedylore.py tests/test_arc_topk.py \
-  tests/test_oktopk.py tests/test_global_qsgd.py tests/test_sparse_baselines.py \
+  tests/test_oktopk.py tests/test_global_qsgd.py tests/test_sparse_baselines.py tests/test_testing_harness.py \
   tests/test_mpi_launcher.py tests/test_long_run.py "$@" || mpich_status=$?
 [ "$mpich_status" = 5 ] && mpich_status=0
 [ "$status" = 0 ] && status=$mpich_status
