@@ -22,7 +22,9 @@ mpich_status=0
 HVDC_MPI=mpich "${pytest[@]}" -m "not horovod" \
   tests/test_foundation.py tests/test_powersgd.py tests/test_greedylore.py tests/test_arc_topk.py \
   tests/test_oktopk.py tests/test_global_qsgd.py tests/test_sparse_baselines.py tests/test_testing_harness.py \
-  tests/test_mpi_launcher.py tests/test_long_run.py "$@" || mpich_status=$?
+  tests/test_mpi_launcher.py tests/test_long_run.py \
+  --deselect "tests/test_long_run.py::test_nothing_grows_per_step[P2-tf_tape]" \
+  --deselect "tests/test_long_run.py::test_nothing_grows_per_step[P2-keras_optimizer]" "$@" || mpich_status=$?
 [ "$mpich_status" = 5 ] && mpich_status=0
 [ "$status" = 0 ] && status=$mpich_status
 exit "$status"
