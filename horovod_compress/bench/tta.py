@@ -80,6 +80,8 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--subnet", default=None, help="first three octets of the cluster's /24")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--start-timeout", type=float, default=120, help="seconds for mpirun to bring the ranks up")
+    p.add_argument("--report-only", action="store_true",
+                   help="write the report and plots from <out>/<name>.json without running anything")
     p.set_defaults(func=run)
 
 
@@ -212,6 +214,11 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{args.name}.json"
     results = load_results(path)
+    if args.report_only:
+        if not results["runs"]:
+            raise ValueError(f"--report-only: no runs in {path}")
+        write_report(results, out, args.name)
+        return 0
     words = sys.argv[1:]
     given = words[words.index("tta") + 1:] if "tta" in words else []
     results.update({"command": " ".join(["hvdc bench tta", *given]),
@@ -281,20 +288,25 @@ def run(args: argparse.Namespace) -> int:
                     tqdm.write(f"[tta] {describe(cluster.spec, p)}", file=sys.stderr)
                     study(p, bw, lambda w: (in_host(cluster.spec, ["mpirun", "-np", str(p)] + w),
                                             cluster_env(cluster.spec, p)))
-    results["rows"] = rows(results["runs"])
     results["when"] = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    path.write_text(json.dumps(results, indent=1))
-    plot_curves(results, out / f"{args.name}_time.png", "time_s", "training wall-clock time (s)")
-    plot_curves(results, out / f"{args.name}_steps.png", "step", "training steps")
-    md = render_markdown(results, args.name)
-    (out / f"{args.name}.md").write_text(md)
-    print(md)
+    write_report(results, out, args.name)
     if failed:
         print(f"[tta] {len(failed)} run(s) failed:\n" + "\n".join(failed), file=sys.stderr)
     return 1 if failed else 0
 
 
 # ----------------------------------------------------------------- report
+def write_report(results: dict[str, Any], out: Path, name: str) -> None:
+    """Rows into ``<name>.json``; ``<name>.md``, ``<name>_time.png`` and ``<name>_steps.png`` beside it."""
+    results["rows"] = rows(results["runs"])
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
+    plot_curves(results, out / f"{name}_time.png", "time_s", "training wall-clock time (s)")
+    plot_curves(results, out / f"{name}_steps.png", "step", "training steps")
+    md = render_markdown(results, name)
+    (out / f"{name}.md").write_text(md)
+    print(md)
+
+
 def _fmt(x: float | None, spec: str, none: str = "-") -> str:
     return none if x is None else format(x, spec)
 
