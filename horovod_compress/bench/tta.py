@@ -37,15 +37,15 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
-from .e2e import SHM, RanksDidNotStart, _stream, split_specs
+from .e2e import SHM, RanksDidNotStart, _commit, _stream, split_specs
+from .machine import cpu_model, platform_summary
 from .tta_task import MODELS
 
 DEFAULT_METHODS = "none,fp16,topk,oktopk,global_qsgd,arc_topk,powersgd,greedylore,deepreduce,auto"
@@ -188,14 +188,6 @@ def is_done(runs: list[dict[str, Any]], key: dict[str, Any]) -> bool:
     return any(all(r.get(k) == key[k] for k in RUN_KEY) for r in runs)
 
 
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -222,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     words = sys.argv[1:]
     given = words[words.index("tta") + 1:] if "tta" in words else []
     results.update({"command": " ".join(["hvdc bench tta", *given]),
-                    "machine": f"{platform.node()}: {os.cpu_count()} cores, {platform.processor() or platform.machine()}",
+                    "machine": f"{cpu_model('unknown CPU')}, {os.cpu_count()} logical CPUs, {platform_summary()}",
                     "commit": _commit(), "max_factor": args.max_factor})
     failed: list[str] = []
     max_steps = int(round(args.steps * args.max_factor))
@@ -246,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
             jpath = os.path.join(tmp, f"{method.partition(':')[0]}-{seed}-{p}-{bw}.json")
             cmd, env = launch(_worker_command(method, seed, steps, target, args, jpath))
             label = f"P={p} {bw} {method} seed {seed}"
-            done_before = bar.n
+            done_before, started = bar.n, time.perf_counter()
             try:
                 try:
                     _stream(cmd, env, bar, label, args.timeout, jpath, args.start_timeout)
@@ -260,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
             bar.update(max(0, steps - (bar.n - done_before)))     # a run that stopped at its target
             run_json = json.loads(Path(jpath).read_text())
             results["runs"].append({**key, **run_json, "hosts": p, "bandwidth": bw,
-                                    "load_avg": os.getloadavg()[0]})
+                                    "wall_s": time.perf_counter() - started, "load_avg": os.getloadavg()[0]})
             results["rows"] = rows(results["runs"])
             path.write_text(json.dumps(results, indent=1))       # resumable: every finished run is kept
 
@@ -366,7 +358,34 @@ def render_markdown(results: dict[str, Any], name: str = "time_to_accuracy") -> 
         lines.append("")
     lines += [f"![validation loss against wall-clock time]({name}_time.png)", "",
               f"![validation loss against steps]({name}_steps.png)", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + reading_guide(results))
+
+
+def reading_guide(results: dict[str, Any]) -> list[str]:
+    """How to reproduce the study, what it cost here, and how to carry it to another cluster."""
+    runs = results["runs"]
+    walls = [r["wall_s"] for r in runs if "wall_s" in r]
+    cost = (f"Here the {len(runs)} runs took {sum(walls) / 60:.0f} minutes from launch to result "
+            f"({sum(r['train_s'] for r in runs) / 60:.0f} of them training steps; the rest is start-up -- "
+            f"MPI, imports, reading the corpus -- and the evaluations)." if walls and len(walls) == len(runs)
+            else f"Here the runs' training steps took {sum(r['train_s'] for r in runs) / 60:.0f} minutes "
+                 f"in all, plus each run's start-up (MPI, imports, reading the corpus) and evaluations.")
+    return ["## Reproduce it", "",
+            "The emulated cluster needs root (network namespaces and `tc`); one rank per emulated host:", "",
+            "```", "sudo hvdc bench tta                       # P = 4 at 1 Gbit and 100 Mbit, seeds 0 and 1",
+            "sudo hvdc bench tta --bandwidths 1gbit --steps 40 --eval-every 4",
+            "hvdc bench tta --no-cluster --hosts 2 --model tiny --steps 10   # one machine, no shaping",
+            "hvdc bench tta --report-only              # the page and plots again from the JSON", "```", "",
+            "An interrupted study resumes: the same command skips every run already in the JSON. " + cost, "",
+            "## Reading it for another cluster", "",
+            "Time to target = steps to target x seconds per step. The steps to target (the steps ratio "
+            "column) is a property of the method and the task, not of the link; the seconds per step is "
+            "what changes on another cluster. `hvdc model --network 10gbe --ranks 8` (or `--latency 2us "
+            "--bandwidth 25gbit` for your own links) predicts each method's step speedup over dense there, "
+            "from the step profiles `hvdc bench e2e` measured (its 11.6M-parameter Transformer: a model of "
+            "the same kind and twice this one's size); that step speedup divided by the steps ratio "
+            "measured here estimates the speedup in time to target on that cluster. A method whose "
+            "steps ratio exceeds its predicted step speedup will not pay off there.", ""]
 
 
 def plot_curves(results: dict[str, Any], path: Path, x_key: str, xlabel: str) -> None:
