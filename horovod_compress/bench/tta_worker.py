@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .e2e import STARTED_LINE
+from .e2e_worker import run_leaving_traceback
 from .tta_task import (MODELS, bits_per_byte, build_gpt, corpus_files, parameter_count, read_bytes,
                        train_batch, validation_windows)
 
@@ -110,34 +111,29 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
-    try:
-        import torch
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-        from ..mpi_collectives import Communicator
-        comm = Communicator()
-        rank0 = comm.rank == 0
-        comm.barrier()
-        if rank0:
-            print(STARTED_LINE, flush=True)
+def _main(args: argparse.Namespace) -> None:
+    import torch
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    from ..mpi_collectives import Communicator
+    comm = Communicator()
+    rank0 = comm.rank == 0
+    comm.barrier()
+    if rank0:
+        print(STARTED_LINE, flush=True)
 
-        def progress(step: int) -> None:
-            if rank0:
-                print(f"HVDC-PROGRESS step {step}", flush=True)
-        result = train_to_target(args, comm, progress)
+    def progress(step: int) -> None:
         if rank0:
-            with open(args.json, "w") as fh:
-                json.dump(result, fh, indent=1)
-    except BaseException:       # Open MPI may drop a remote rank's stderr: leave the traceback in a file
-        import traceback
-        rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "x"))
-        try:
-            with open(f"{args.json}.rank{rank}.err", "w") as fh:
-                traceback.print_exc(file=fh)
-        except OSError:
-            pass
-        raise
+            print(f"HVDC-PROGRESS step {step}", flush=True)
+    result = train_to_target(args, comm, progress)
+    if rank0:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run one rank; a failing rank leaves its traceback in ``<json>.rank<r>.err`` (Open MPI may drop
+    a remote rank's stderr)."""
+    run_leaving_traceback(_main, parser().parse_args(argv))
 
 
 if __name__ == "__main__":
