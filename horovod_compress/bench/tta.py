@@ -80,6 +80,8 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--subnet", default=None, help="first three octets of the cluster's /24")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     p.add_argument("--start-timeout", type=float, default=120, help="seconds for mpirun to bring the ranks up")
+    p.add_argument("--note", default=None,
+                   help="a sentence about the run's conditions (e.g. a shared machine), shown under the header")
     p.add_argument("--report-only", action="store_true",
                    help="write the report and plots from <out>/<name>.json without running anything")
     p.set_defaults(func=run)
@@ -206,6 +208,8 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{args.name}.json"
     results = load_results(path)
+    if args.note:
+        results["note"] = args.note
     if args.report_only:
         if not results["runs"]:
             raise ValueError(f"--report-only: no runs in {path}")
@@ -339,6 +343,13 @@ def render_markdown(results: dict[str, Any], name: str = "time_to_accuracy") -> 
                   f"Speedup = dense's time to target / the method's; steps ratio and step-time ratio are the "
                   f"method's against dense's, and speedup = 1 / (steps ratio x step-time ratio) up to the "
                   f"evaluation grid.", ""]
+    loads = [r["load_avg"] for r in runs if "load_avg" in r]
+    if loads:
+        lines += [f"Load average (1 min) of the machine after each run: {min(loads):.1f} to {max(loads):.1f}"
+                  f" ({os.cpu_count()} logical CPUs here); with more ranks than cores the ranks share them, "
+                  f"so close orderings are within the noise.", ""]
+    if results.get("note"):
+        lines += [results["note"], ""]
     for hosts, bw in dict.fromkeys(_group(r) for r in runs):
         rr = [r for r in table if (r["hosts"], r["bandwidth"]) == (hosts, bw)]
         lines += [f"## P = {hosts}, {bw}", "",
