@@ -425,6 +425,8 @@ def plot_curves(results: dict[str, Any], path: Path, x_key: str, xlabel: str) ->
         target = target_of(runs, hosts, bw, seed)
         if target is not None:
             ax.axhline(target, color="black", linestyle=":", linewidth=1, label="target (dense's final)")
+            low = min(c["val_bpb"] for r in rr for c in r["curve"])
+            ax.set_ylim(low - 0.1, target + 1.5)     # the approach to the target, not the first drop from 8
         ax.set_xlabel(xlabel)
         ax.set_ylabel("validation loss (bits per byte)")
         ax.set_title(f"P = {hosts}, {bw}, seed {seed}")
