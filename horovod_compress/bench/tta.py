@@ -213,6 +213,7 @@ def run(args: argparse.Namespace) -> int:
     if args.report_only:
         if not results["runs"]:
             raise ValueError(f"--report-only: no runs in {path}")
+        results.setdefault("when", "up to " + dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"))
         write_report(results, out, args.name)
         return 0
     words = sys.argv[1:]
@@ -358,7 +359,7 @@ def render_markdown(results: dict[str, Any], name: str = "time_to_accuracy") -> 
                   "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in rr:
             lines.append(f"| {r['method']} | {r['seed']} | {_fmt(r['time_to_target_s'], '.1f', 'not reached')} | "
-                         f"{_fmt(r['steps_to_target'], 'd', '-')} | {_fmt(r['speedup_vs_dense'], '.2f')}x | "
+                         f"{_fmt(r['steps_to_target'], 'd', '-')} | {_fmt(r['speedup_vs_dense'], '.2f')}{'x' if r['speedup_vs_dense'] is not None else ''} | "
                          f"{_fmt(r['steps_ratio'], '.2f')} | {_fmt(r['step_time_ratio'], '.2f')} | "
                          f"{r['final_val_loss']:.3f} | {reason(r)} |")
         fast = [r for r in rr if (r["speedup_vs_dense"] or 0) >= 2.0]
