@@ -48,6 +48,7 @@ BENCH_COMMANDS: dict[str, tuple[str, str]] = {
     "qsgd-model": ("qsgd_model", "Global-QSGD performance model (eq. 10): when does it pay?"),
     "selection": ("selection", "top-k selection by a reused threshold vs torch.topk"),
     "tf_bridge": ("tf_bridge", "cost of the TensorFlow <-> NumPy bridge per step"),
+    "tta": ("tta", "time to accuracy: a byte-level GPT on the stdlib's sources, every method"),
     "volume": ("volume", "bytes per rank per step of the sparse allreduces vs P"),
 }
 

@@ -454,8 +454,13 @@ def main(argv: list[str] | None = None) -> None:
     excepthook calls ``MPI_Abort``), so the launcher reads these files to say why a run failed."""
     parser = _parser()
     args = parser.parse_args(argv)
+    run_leaving_traceback(_main, args)
+
+
+def run_leaving_traceback(fn: Any, args: argparse.Namespace) -> None:
+    """``fn(args)``; if it raises, this rank's traceback goes to ``<args.json>.rank<r>.err`` first."""
     try:
-        _main(args)
+        fn(args)
     except BaseException:
         import traceback
         rank = os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMIX_RANK", "x"))
