@@ -3,7 +3,8 @@ MPI-case plugin (:mod:`horovod_compress.testing_plugin`): a case that failed on 
 fails its module even when no test reads it, and the run ends with a tally of case runs."""
 import pytest
 
-from horovod_compress.testing_plugin import every_failed_case_is_read, pytest_terminal_summary  # noqa: F401
+from horovod_compress.testing_plugin import every_failed_case_is_read  # noqa: F401
+from horovod_compress.testing_plugin import pytest_terminal_summary as case_tally
 
 
 @pytest.fixture
@@ -32,7 +33,9 @@ def pytest_report_header(config):
 
 
 def pytest_terminal_summary(terminalreporter):
-    """The number of MPI cases (``run_cases``) this run executed on each implementation."""
+    """The tally of case runs (read, failed, unread) and the number of MPI cases (``run_cases``)
+    this run executed on each implementation."""
     from horovod_compress.mpi_launcher import CASES_RUN
+    case_tally(terminalreporter)
     for name, count in sorted(CASES_RUN.items()):
         terminalreporter.write_line(f"MPI cases run on {name}: {count}")

@@ -168,6 +168,8 @@ def test_recorder_rows_become_trace_events():
 
 def test_timeline_env_path(monkeypatch):
     monkeypatch.delenv(timeline_file.OWN_ENV, raising=False)
+    # a Horovod that an earlier test imported into this process is not running here
+    monkeypatch.delitem(sys.modules, "horovod.common.basics", raising=False)
     monkeypatch.setenv(timeline_file.TIMELINE_ENV, "/tmp/x/t.json")
     assert timeline_file.env_path() == "/tmp/x/t.json"
     monkeypatch.setitem(sys.modules, "horovod.common.basics", object())   # Horovod owns that file
