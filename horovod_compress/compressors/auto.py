@@ -194,7 +194,8 @@ class Auto(Method):
 
     @last_step_skipped.setter
     def last_step_skipped(self, value: bool) -> None:
-        pass
+        """Ignored: the active candidate sets its own flag, which the getter reads (the base
+        class's reset of it at each call has nothing to reset here)."""
 
     # ------------------------------------------------------------- exchange
     def allreduce(self, grad: Any, name: str, comm: Any) -> Any:
