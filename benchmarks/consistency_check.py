@@ -5,7 +5,7 @@ Run: ``mpirun -np 2 .venv/bin/python benchmarks/consistency_check.py > benchmark
 After a tensor's first call, each ``Method.allreduce`` does three extra things:
 the signature tuple and a set lookup (name, shape, dtype, method config), a
 finiteness test (one float64 sum over the gradient) and one 1-byte-per-rank
-allgather on the check communicator (``runtime.consistency.agree``) that
+allgather on the check communicator (``mpi_collectives.consistency.agree``) that
 carries both "non-finite here" and "new signature here". This script times
 each part alone and the whole call, per tensor size, as medians of
 interleaved repetitions (barrier before each timed call).
@@ -22,7 +22,7 @@ import horovod_compress as hvdc
 from horovod_compress.compressors import base
 from horovod_compress.compressors.base import _finite
 from horovod_compress.mpi_collectives import Communicator
-from horovod_compress.runtime.consistency import agree
+from horovod_compress.mpi_collectives.consistency import agree
 
 REPS = 300
 

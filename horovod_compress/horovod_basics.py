@@ -22,7 +22,7 @@ import numpy as np
 
 # Reduction ops. Average and Sum are the values our front-ends have always used
 # (runtime.ops); Horovod's integer constants (Average=0 ... Product=5) are accepted too.
-from .runtime import timeline_file
+from .mpi_collectives import timeline_file
 from .runtime.ops import Average, Sum
 
 Adasum = "adasum"

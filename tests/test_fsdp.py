@@ -476,7 +476,7 @@ def _divide_factor(rank, size, comm):
 
 def _mismatch_raises(rank, comm):
     """Ranks configured differently: the same TensorMismatchError on every rank."""
-    from horovod_compress.runtime.consistency import TensorMismatchError
+    from horovod_compress.mpi_collectives.consistency import TensorMismatchError
     from horovod_compress.torch import fsdp as hvdc_fsdp
     model = _mlp()
     hvdc_fsdp.register(model, make("topk", density=0.05 + 0.01 * rank), comm=comm)

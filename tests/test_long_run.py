@@ -201,7 +201,7 @@ def case_one_check_group_per_communicator(comm):
     ``Dup`` does not inherit it; freeing a communicator frees its group (MPI's delete callback)."""
     from horovod_compress.mpi_collectives import Communicator
     from horovod_compress.mpi_collectives.check_group import check_groups_alive
-    from horovod_compress.runtime.consistency import check_comm
+    from horovod_compress.mpi_collectives.consistency import check_comm
     world, counts = _counting_world(comm)
     first = check_comm(world)
     alive, made = check_groups_alive(), counts.total()

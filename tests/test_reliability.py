@@ -20,7 +20,7 @@ import pytest
 
 import horovod_compress as hvdc
 from horovod_compress.compressors.base import NonFiniteGradientError
-from horovod_compress.runtime.consistency import TensorMismatchError
+from horovod_compress.mpi_collectives.consistency import TensorMismatchError
 from horovod_compress.testing import (find_cases, mpi_env, mpirun_command, run_cases, run_horovodrun,
                                       same_on_all_ranks)
 from horovod_compress.testing_plugin import import_horovod
@@ -303,7 +303,7 @@ def case_keras_state_encoding_every_method(comm):
 # Run under mpirun/horovodrun as ``python tests/test_reliability.py NAME``: the
 # last rank raises (main thread or a thread); the others wait in a collective.
 def _world(abort_on_exception=None):
-    from horovod_compress.runtime import world
+    from horovod_compress.mpi_collectives import world
     return world.FrontEndWorld("horovod.torch").init(abort_on_exception=abort_on_exception)
 
 
@@ -332,14 +332,14 @@ def script_raise_in_thread():
 
 def script_report_hook():
     """Each rank prints whether the exception hook is installed (default init)."""
-    from horovod_compress.runtime import world
+    from horovod_compress.mpi_collectives import world
     comm = _world()
     print(f"rank {comm.rank} installed={world.abort_on_exception_installed()}", flush=True)
 
 
 def script_report_hook_init_false():
     """The same after ``init(abort_on_exception=False)``."""
-    from horovod_compress.runtime import world
+    from horovod_compress.mpi_collectives import world
     comm = _world(abort_on_exception=False)
     print(f"rank {comm.rank} installed={world.abort_on_exception_installed()}", flush=True)
 

@@ -23,7 +23,7 @@ import pytest
 import horovod_compress as hvdc
 from horovod_compress.mpi_collectives import timeline
 from horovod_compress.mpi_collectives.accounting import allreduce_volume
-from horovod_compress.runtime import timeline_file
+from horovod_compress.mpi_collectives import timeline_file
 from horovod_compress.testing import mpi_env, mpirun_command, run_cases
 
 pytestmark = pytest.mark.mpi

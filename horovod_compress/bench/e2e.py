@@ -459,7 +459,7 @@ def analyse(runs: list[dict[str, Any]], args: argparse.Namespace | None = None) 
             wait = m.get("imbalance_s", 0.0)
             step = share * work + pred.comm_s + wait
             # The comm prediction is the alpha-beta part alone: every Method.allreduce starts with a
-            # 1-byte agreement allgather (runtime/consistency.py) where a rank waits for a peer still
+            # 1-byte agreement allgather (mpi_collectives/consistency.py) where a rank waits for a peer still
             # computing; runs that time it report that wait apart ("wait_s", not in comm or compress),
             # older runs left it in compress.
             m["predicted"] = {"comm_s": pred.comm_s, "alpha_beta_s": pred.comm_s, "wait_s": wait,

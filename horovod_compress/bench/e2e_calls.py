@@ -38,7 +38,7 @@ RING_OP = "ring"
 #: cross the links as eager point-to-point segments (Global-QSGD's 8-bit codes, the 16-bit casts).
 RING_FUNCTIONS = ("ring_reduce_once", "ring_reduce_once_items")
 _CALLBACKS = ("produce", "reduce", "consume")
-#: The op under which ``runtime.consistency`` times every call's 1-byte agreement (not counted as a call)
+#: The op under which ``mpi_collectives.consistency`` times every call's 1-byte agreement (not counted as a call)
 AGREE_OP = "agree"
 #: Key suffix of the per-call CPU gaps beside an op's per-call sizes (``"allreduce@gap_s"``).
 GAP_SUFFIX = "@gap_s"
@@ -145,7 +145,7 @@ def call_sizes(methods: list[str], model_name: str, comm: Any,
     workers between two fused calls counts.
 
     Every ``Method.allreduce`` starts with a 1-byte agreement allgather
-    (``runtime.consistency``, timed under the op ``agree`` and reported as the
+    (``mpi_collectives.consistency``, timed under the op ``agree`` and reported as the
     step's *wait*, not as its comm): the ranks meet there, so the clock
     restarts when it returns, and the gap of a bucket's first call is only the
     method's work between the agreement and that call. The forward and

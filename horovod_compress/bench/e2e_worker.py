@@ -394,7 +394,7 @@ def _steps(comm: Any, model: Any, workload: Workload, opt: Any, clock: "_Exchang
             timeline.stop()
         timings = comm.timings()
         mpi, mpi_cpu = timings["total"], timings["cpu_total"]
-        # the calls' agreement (runtime/consistency.py) is where a rank waits for peers still
+        # the calls' agreement (mpi_collectives/consistency.py) is where a rank waits for peers still
         # computing: neither the method's compression nor its payload's communication
         wait = timings["by_op"].get("agree", 0.0)
         wait_cpu = timings["cpu_by_op"].get("agree", 0.0)
@@ -412,7 +412,7 @@ def _steps(comm: Any, model: Any, workload: Workload, opt: Any, clock: "_Exchang
                             "sent": st["sent"], "received": st["received"],
                             "ops": {k: v for k, v in st["by_op"].items()}, "ring": ring.as_dict()})
     if rec is not None:
-        from ..runtime.timeline_file import write_trace
+        from ..mpi_collectives.timeline_file import write_trace
         trace = timeline.gather_trace(comm, rec, {"model": workload.name, "steps": "the measured ones"})
         if trace is not None:
             write_trace(trace, timeline_path)

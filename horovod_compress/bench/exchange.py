@@ -53,7 +53,7 @@ def measure(comm: Any, spec: str, kind: str, n: int, warm: int, steps: int,
     timed calls' timeline goes to ``trace_path`` (rank 0 writes it, and a chart of the last call)."""
     from ..compressors.registry import create
     from ..mpi_collectives import timeline
-    from ..runtime.timeline_file import write_trace
+    from ..mpi_collectives.timeline_file import write_trace
     name, _, raw = spec.partition(":")
     params = json.loads(raw) if raw else {}
     if "warmup_steps" not in params and name == "oktopk":

@@ -42,8 +42,8 @@ import numpy as np
 
 from ..kernels.arrays import is_cupy, is_gpu_array, to_device_like, to_host
 from ..params import check_float, check_int
-from ..runtime import world as _world
-from ..runtime.consistency import TensorMismatchError
+from ..mpi_collectives import world as _world
+from ..mpi_collectives.consistency import TensorMismatchError
 from .auto_decide import Decision, DriftMonitor, choose, predict_exchange
 from .auto_measure import CallClock, MeasureHook, measure_candidates
 from .base import Method, TensorState

@@ -40,8 +40,8 @@ from ..kernels.arrays import (
     to_host,
 )
 from ..mpi_collectives import timeline as _timeline
-from ..runtime import world as _world
-from ..runtime.consistency import NEW_SIGNATURE, NONFINITE, TensorMismatchError, agree, check_same_signature
+from ..mpi_collectives import world as _world
+from ..mpi_collectives.consistency import NEW_SIGNATURE, NONFINITE, TensorMismatchError, agree, check_same_signature
 from ..params import check_int
 
 NONFINITE_POLICIES = ("raise", "skip", "propagate")
@@ -174,7 +174,7 @@ class Method:
         :class:`~horovod_compress.mpi_collectives.Communicator`.
 
         The first call on a communicator of more than one rank installs the
-        abort-on-exception hooks (:func:`~horovod_compress.runtime.world.ensure_abort_on_exception`,
+        abort-on-exception hooks (:func:`~horovod_compress.mpi_collectives.world.ensure_abort_on_exception`,
         off with ``HVDC_ABORT_ON_EXCEPTION=0``).
         """
         _world.ensure_abort_on_exception(comm)   # once per process; a flag test afterwards
@@ -342,7 +342,7 @@ class Method:
     def _signature(self, grad: Any, in_dtype: np.dtype, name: str) -> tuple:
         """This call's (name, shape, dtype, method config): what ranks must agree on.
 
-        Every call begins with one 1-byte allgather (``runtime.consistency.agree``)
+        Every call begins with one 1-byte allgather (``mpi_collectives.consistency.agree``)
         in which each rank says whether its gradient is finite and whether this
         signature is new to it; if any rank has a new one, every rank joins one
         16-byte digest allgather of its signature, and a mismatch raises the

@@ -84,8 +84,8 @@ import numpy as np
 from ..kernels.arrays import is_gpu_array
 from ..kernels.powersgd import add_and_project, fits, low_rank_product, project, project_t
 from ..mpi_collectives.lockstep import Lockstep, fused_allreduce, fused_check_allgather
-from ..runtime import world as _world
-from ..runtime.consistency import (
+from ..mpi_collectives import world as _world
+from ..mpi_collectives.consistency import (
     NEW_SIGNATURE,
     NONFINITE,
     TensorMismatchError,
@@ -370,7 +370,7 @@ class PowerSGD(Method):
         tensor. Three rounds on one thread:
 
         1. one allgather of n bytes on the check group: for every tensor, each
-           rank's "not finite" / "new signature" flag (``runtime.consistency``;
+           rank's "not finite" / "new signature" flag (``mpi_collectives.consistency``;
            then one allgather of the new signatures' 16-byte digests);
         2. one allreduce (sum) of every ``P_k = M_k Q_k`` concatenated with every
            tensor sent dense (warm-up steps, vectors, matrices the rule leaves

@@ -164,7 +164,7 @@ class Accounting(PhaseLabel):
         benchmark separate a method's own CPU work from time spent waiting.
         ``by_op["agree"]`` is the per-call agreement of
         :meth:`~horovod_compress.compressors.base.Method.allreduce` (one
-        1-byte allgather, :mod:`~horovod_compress.runtime.consistency`): as
+        1-byte allgather, :mod:`~horovod_compress.mpi_collectives.consistency`): as
         the first collective of a call it is where a rank waits for peers
         still computing, and it moves no payload (no bytes are counted for it).
 

@@ -1,7 +1,7 @@
 """The private communicator the per-call consistency checks run on: one per real communicator.
 
 Every ``Method.allreduce`` begins with a 1-byte agreement and, for a new
-signature, a digest allgather (``runtime.consistency``). They run on a
+signature, a digest allgather (``mpi_collectives.consistency``). They run on a
 private duplicate of the communicator, so their messages can never match a
 method's own collectives. That duplicate must exist once per *real* MPI
 communicator, whatever stands in front of it: the :class:`Communicator` of a

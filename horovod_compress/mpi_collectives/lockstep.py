@@ -21,7 +21,7 @@ every unfinished thread has posted a collective the round is executed:
   into one (``avg`` is a ``sum`` divided by P afterwards, as the
   communicator's own ``avg`` does);
 * allgathers are concatenated as bytes into one;
-* the consistency checks' allgathers (``runtime.consistency``) likewise, on
+* the consistency checks' allgathers (``mpi_collectives.consistency``) likewise, on
   the check group;
 * anything else runs as it is, in tensor order.
 
@@ -71,7 +71,7 @@ class _Call:
 
 
 class _CheckProxy:
-    """A proxy's check group: the mpi4py-like surface ``runtime.consistency`` uses, posting to the
+    """A proxy's check group: the mpi4py-like surface ``mpi_collectives.consistency`` uses, posting to the
     round (which fuses the round's checks into one allgather on the real communicator's group)."""
 
     def __init__(self, proxy: "_Proxy") -> None:
@@ -272,14 +272,14 @@ def _fused_allgather(real: Any, group: list[_Call]) -> None:
 
 
 def _check_group(real: Any) -> Any:
-    """The group ``runtime.consistency`` runs its checks on: one per real communicator (:mod:`.check_group`)."""
+    """The group ``mpi_collectives.consistency`` runs its checks on: one per real communicator (:mod:`.check_group`)."""
     group = check_group_of(real)
     return group if group is not None else real.comm
 
 
 def _fused_check_allgather(real: Any, group: list[_Call]) -> None:
     """The round's agreements (and signature digests) as one allgather, timed under ``agree``
-    as ``runtime.consistency`` times each of them: where a rank waits for late peers."""
+    as ``mpi_collectives.consistency`` times each of them: where a rank waits for late peers."""
     raw = [c.args[0].reshape(-1).view(np.uint8) for c in group]
     send = np.concatenate(raw)
     out = np.empty((real.size, send.size), dtype=np.uint8)
@@ -318,7 +318,7 @@ def fused_check_allgather(real: Any, arrays: Sequence[np.ndarray]) -> list[np.nd
     """The consistency checks' small allgathers of one round as one, on the check group.
 
     Returns, per array, the ``(P, nbytes)`` uint8 matrix that
-    ``runtime.consistency``'s allgather of that array alone would give.
+    ``mpi_collectives.consistency``'s allgather of that array alone would give.
     """
     calls = [_Call("check_allgather", "Allgather", (np.ascontiguousarray(a),), {}, None)
              for a in arrays]

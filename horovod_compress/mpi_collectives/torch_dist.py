@@ -46,7 +46,7 @@ the mpi4py backend, so byte counts compare across backends):
   gives the MPI backend). ``reduce_scatter_custom`` is its first half alone
   (this rank's reduced block, N(P-1)/P each way).
 
-Checks (``runtime.consistency``) run on a private process group exposed as
+Checks (``mpi_collectives.consistency``) run on a private process group exposed as
 ``comm.comm`` through a small mpi4py-like shim, so they never interleave with
 a method's collectives and are not counted, as on the MPI backend.
 """
@@ -62,6 +62,7 @@ import numpy as np
 from ..kernels.arrays import is_gpu_array
 from .accounting import FusingAccounting, OpStats, PendingRequest, reduce_scatter_volume
 from .reduce_ops import block_counts, check_custom, local_reduce
+from .world import FrontEndWorld
 
 _REDUCE_OPS = ("sum", "max", "min", "prod", "avg", "average")
 
@@ -131,7 +132,7 @@ class TorchRequest(PendingRequest):
 
 
 class _CheckShim:
-    """The slice of mpi4py's ``Intracomm`` that ``runtime.consistency`` uses, on a private group."""
+    """The slice of mpi4py's ``Intracomm`` that ``mpi_collectives.consistency`` uses, on a private group."""
 
     def __init__(self, group: Any, rank: int, size: int) -> None:
         self._group = group
@@ -773,7 +774,7 @@ def default_communicator() -> Any:
 
     Inside an initialised ``torch.distributed`` job (``torchrun``) that was not
     started by an MPI launcher: a :class:`TorchCommunicator` (no MPI needed);
-    otherwise the mpi4py :class:`Communicator` of ``runtime.world``.
+    otherwise the mpi4py :class:`Communicator` of ``mpi_collectives.world``.
     ``HVDC_COMM_BACKEND=torch|mpi`` overrides the choice. Created once
     (a collective call on the torch backend: every rank calls it at the same point).
     """
@@ -790,7 +791,6 @@ def default_communicator() -> Any:
         _DEFAULT = TorchCommunicator()
         _register_release_at_exit()      # its gloo groups go before Python finalizes
     else:
-        from ..runtime.world import FrontEndWorld
         _DEFAULT = FrontEndWorld("horovod.torch").communicator()
     return _DEFAULT
 

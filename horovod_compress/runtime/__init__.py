@@ -12,7 +12,7 @@ each bucket to a :class:`HookExchange` (:mod:`.hook`) instead: the same
 methods, statistics and switches, per DDP iteration.
 """
 from .buckets import Bucket, TensorSpec, plan_buckets
-from .consistency import check_same_tensors
+from ..mpi_collectives.consistency import check_same_tensors
 from .engine import GradientExchange
 from .hook import ArraySlot, BucketView, HookExchange
 from .hook_buckets import HookBuckets

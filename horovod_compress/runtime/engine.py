@@ -24,7 +24,7 @@ import numpy as np
 from ..kernels.arrays import as_module_array, get_array_module, is_gpu_array
 from ..mpi_collectives import timeline as _timeline
 from .buckets import DEFAULT_BUCKET_BYTES, Bucket, TensorSpec, plan_buckets
-from .consistency import check_same_tensors
+from ..mpi_collectives.consistency import check_same_tensors
 from .per_tensor import PerTensorReducer
 
 

@@ -2,7 +2,7 @@
 
 Matrix methods (PowerSGD, GreedyLore, ARC-Top-K, ...) reduce each gradient in
 its own shape, and each call issues a few small collectives: the 1-byte
-agreement of ``runtime.consistency``, then one or two allreduces. Run one
+agreement of ``mpi_collectives.consistency``, then one or two allreduces. Run one
 after the other over a model's ~50 tensors they cost a latency -- and, where
 ranks share cores, a wait for the slowest peer -- per collective per tensor.
 PyTorch's ``powerSGD_hook`` instead allreduces all of a bucket's ``P``

@@ -92,7 +92,7 @@ import torch
 from ..compressors.base import Method
 from ..runtime.delegate import delegated
 from ..runtime.hook import ArraySlot, HookExchange
-from ..runtime.timeline_file import ensure_env_timeline, stop_timeline, timeline_running
+from ..mpi_collectives.timeline_file import ensure_env_timeline, stop_timeline, timeline_running
 from ..runtime.scaling import check_method
 from .optimizer import from_safe_state, to_safe_state
 from .tensors import tensor_slot

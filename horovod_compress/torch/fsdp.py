@@ -68,7 +68,7 @@ FSDP2's dense reduce-scatter would send, N(P-1)/P per module buffer) and the
 communicator (:func:`~horovod_compress.mpi_collectives.default_communicator`:
 inside ``torchrun`` a torch.distributed one, gloo on CPU, NCCL beside it for
 CUDA arrays). An exception on one rank ends the job, as everywhere
-(:func:`~horovod_compress.runtime.world.ensure_abort_on_exception`).
+(:func:`~horovod_compress.mpi_collectives.world.ensure_abort_on_exception`).
 
 Checkpoints: ``state.state_dict()`` is this rank's state (tensors and plain
 values, as the DDP hook's). Every rank's state differs (error feedback is

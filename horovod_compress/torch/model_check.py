@@ -5,10 +5,10 @@ DDP's constructor verifies parameter shapes across ranks, but on a mismatch
 raises on the ranks that see the difference and lets the others go on into
 the broadcast of the parameters, where they wait forever (seen with gloo and
 ``torchrun --nproc-per-node 2``). :func:`check_same_model` runs the project's
-own cross-rank check (:func:`~horovod_compress.runtime.consistency.check_same_tensors`:
+own cross-rank check (:func:`~horovod_compress.mpi_collectives.consistency.check_same_tensors`:
 one allgather of a 16-byte digest of every parameter's and buffer's name,
 shape and dtype) and raises the same
-:class:`~horovod_compress.runtime.consistency.TensorMismatchError`, naming the
+:class:`~horovod_compress.mpi_collectives.consistency.TensorMismatchError`, naming the
 first differing tensor, on every rank.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..runtime.buckets import TensorSpec
-from ..runtime.consistency import check_same_tensors
+from ..mpi_collectives.consistency import check_same_tensors
 
 
 def model_specs(module: torch.nn.Module) -> list[TensorSpec]:
@@ -30,7 +30,7 @@ def model_specs(module: torch.nn.Module) -> list[TensorSpec]:
 
 
 def check_same_model(module: torch.nn.Module, comm: Any = None) -> None:
-    """Raise :class:`~horovod_compress.runtime.consistency.TensorMismatchError` on every rank unless all built the same model.
+    """Raise :class:`~horovod_compress.mpi_collectives.consistency.TensorMismatchError` on every rank unless all built the same model.
 
     Call it on every rank before ``DistributedDataParallel(module)``. ``comm``
     is a communicator (default: a

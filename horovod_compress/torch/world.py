@@ -1,5 +1,5 @@
-"""Process-group state of the PyTorch front-end: :class:`horovod_compress.runtime.world.FrontEndWorld`."""
-from ..runtime.world import FrontEndWorld
+"""Process-group state of the PyTorch front-end: :class:`horovod_compress.mpi_collectives.world.FrontEndWorld`."""
+from ..mpi_collectives.world import FrontEndWorld
 
 _WORLD = FrontEndWorld("horovod.torch")   # its communicator is shared with the other front-ends
 init, communicator, rank, size, local_rank, horovod_active = (

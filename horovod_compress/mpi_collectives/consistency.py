@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from ..mpi_collectives.check_group import check_group_of
-from .buckets import TensorSpec
+from .check_group import check_group_of
+if TYPE_CHECKING:   # a type only: the runtime's bucket plan sits above this layer
+    from ..runtime.buckets import TensorSpec
 
 
 class TensorMismatchError(ValueError):

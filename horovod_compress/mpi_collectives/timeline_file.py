@@ -25,7 +25,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from ..mpi_collectives import timeline
+from . import timeline
 
 TIMELINE_ENV = "HOROVOD_TIMELINE"
 OWN_ENV = "HVDC_TIMELINE"

@@ -222,7 +222,7 @@ class FrontEndWorld:
         removes the hooks if an earlier ``init`` installed them.
         """
         global _COMM, _OPTED_OUT
-        from ..mpi_collectives import Communicator
+        from .communicator import Communicator
         if comm is not None:
             _COMM = Communicator(comm)
         elif _COMM is None:
