@@ -16,6 +16,7 @@ from typing import Any
 os.environ.setdefault("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", "1")
 
 from .compressors import Compression, Method  # noqa: E402  (after the environment above)
+from . import horovod_compat  # noqa: E402, F401  (registers Method.compress/decompress; no torch/TF import)
 
 __version__ = "0.1.0"
 __all__ = ["Compression", "Communicator", "Method", "__version__"]

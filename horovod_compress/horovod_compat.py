@@ -73,28 +73,15 @@ from typing import Any
 
 import numpy as np
 
-#: Methods that keep no per-tensor state between calls besides a step counter.
-_STATELESS = ("none", "fp16", "bf16", "qsgd", "global_qsgd", "randk", "topk", "gaussiank",
-              "topk_dsa", "gtopk")
+from .compressors.horovod_protocol import register_horovod_protocol
+from .horovod_api.method_limits import HorovodAdapterError, is_stateless  # noqa: F401 - re-exported
+
 _LINEARITY_RTOL = 1e-6
-
-
-class HorovodAdapterError(ValueError):
-    """A method cannot run where Horovod called it; the message says what to use instead."""
-
-    #: Raised inside ``tf.function``: AutoGraph re-raises it as it is (without
-    #: this, a ValueError subclass comes out as an ``autograph.StagingError``).
-    ag_pass_through = True
 
 
 # ----------------------------------------------------------------------------- helpers
 def _is_torch(tensor: Any) -> bool:
     return type(tensor).__module__.split(".")[0] == "torch"
-
-
-def is_stateless(method: Any) -> bool:
-    """Whether ``method`` keeps no state between calls that depends on which tensor it saw."""
-    return method.name in _STATELESS and getattr(method.feedback, "name", "none") == "none"
 
 
 def _frames(limit: int = 12):
@@ -397,6 +384,7 @@ def decompress(method: Any, tensor: Any, ctx: Any) -> Any:
 # TensorFlow here.
 compress.autograph_info__ = None      # type: ignore[attr-defined]
 decompress.autograph_info__ = None    # type: ignore[attr-defined]
+register_horovod_protocol(compress, decompress)   # Method.compress/decompress delegate here
 
 
 def _nonlinear_error(method: Any, out: Any, world: int) -> HorovodAdapterError:

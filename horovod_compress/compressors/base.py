@@ -43,6 +43,7 @@ from ..mpi_collectives import timeline as _timeline
 from ..mpi_collectives import world as _world
 from ..mpi_collectives.consistency import NEW_SIGNATURE, NONFINITE, TensorMismatchError, agree, check_same_signature
 from ..params import check_int
+from .horovod_protocol import horovod_protocol
 
 NONFINITE_POLICIES = ("raise", "skip", "propagate")
 NONFINITE_ENV = "HVDC_NONFINITE"
@@ -425,13 +426,11 @@ class Method:
     # ------------------------------------------- Horovod's Compressor protocol
     def compress(self, tensor: Any) -> tuple[Any, Any]:
         """Horovod ``Compressor.compress`` (torch or TF tensor): see :mod:`horovod_compress.horovod_compat`."""
-        from ..horovod_compat import compress
-        return compress(self, tensor)
+        return horovod_protocol("compress")(self, tensor)
 
     def decompress(self, tensor: Any, ctx: Any) -> Any:
         """Horovod ``Compressor.decompress``: the method's result as Horovod's reduction would scale it."""
-        from ..horovod_compat import decompress
-        return decompress(self, tensor, ctx)
+        return horovod_protocol("decompress")(self, tensor, ctx)
 
     # --------------------------------------------------------- subclass API
     def _reduce(self, x: np.ndarray, name: str, comm: Any,

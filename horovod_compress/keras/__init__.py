@@ -26,7 +26,7 @@ from .callbacks import (
     MetricAverageCallback,
 )
 from .checkpoint import CompressionState
-from ..horovod_common import *  # noqa: F403 - Horovod's names every front-end shares
+from ..horovod_api.common import *  # noqa: F403 - Horovod's names every front-end shares
 from .horovod_api import (
     DistributedOptimizer,
     allgather,

@@ -20,7 +20,7 @@ from typing import Any
 import keras
 import numpy as np
 
-from ..horovod_basics import is_version_greater_equal_than  # noqa: F401 - Horovod's name here
+from ..horovod_api.basics import is_version_greater_equal_than  # noqa: F401 - Horovod's name here
 from ..tensorflow import world
 from ..tensorflow.broadcast import broadcast_variables
 from .optimizer import reducer_of

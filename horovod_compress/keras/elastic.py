@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import keras
 
-from ..horovod_elastic import run_fn as _run_fn
+from ..horovod_api.elastic import run_fn as _run_fn
 from ..tensorflow.elastic import TensorFlowKerasState
 
 

@@ -16,9 +16,9 @@ import numpy as np
 import tensorflow as tf
 
 from ..compressors.registry import Compression, as_method
-from ..horovod_basics import is_version_greater_equal_than  # noqa: F401 - Horovod's name
-from ..horovod_basics import op_kind as _op_kind
-from ..horovod_common import *  # noqa: F403 - Horovod's names every front-end shares
+from ..horovod_api.basics import is_version_greater_equal_than  # noqa: F401 - Horovod's name
+from ..horovod_api.basics import op_kind as _op_kind
+from ..horovod_api.common import *  # noqa: F403 - Horovod's names every front-end shares
 from ..tensorflow import horovod_api as _tf
 from ..tensorflow.horovod_api import (  # noqa: F401 - Horovod's names
     cross_rank,

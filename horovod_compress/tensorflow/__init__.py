@@ -13,8 +13,8 @@ import sys as _sys
 from typing import Any as _Any
 
 from ..compressors import Compression
-from ..horovod_basics import HorovodInternalError
-from ..horovod_common import *  # noqa: F403 - Horovod's names every front-end shares
+from ..horovod_api.basics import HorovodInternalError
+from ..horovod_api.common import *  # noqa: F403 - Horovod's names every front-end shares
 # The submodule first: importing it later (Keras' callbacks do) would rebind the package
 # attribute ``broadcast`` from Horovod's function below to the module.
 from . import broadcast as _broadcast_module  # noqa: F401

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from ..horovod_basics import HorovodInternalError
-from ..horovod_elastic import HostsUpdatedInterrupt, ObjectState, State, refuse_elastic_launch
-from ..horovod_elastic import run_fn as _run_fn
+from ..horovod_api.basics import HorovodInternalError
+from ..horovod_api.elastic import HostsUpdatedInterrupt, ObjectState, State, refuse_elastic_launch
+from ..horovod_api.elastic import run_fn as _run_fn
 from .horovod_api import broadcast_object, broadcast_object_fn, broadcast_variables, rank
 
 

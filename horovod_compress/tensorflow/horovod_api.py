@@ -18,14 +18,14 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from .. import horovod_basics as hb
+from ..horovod_api import basics as hb
 from ..compressors.registry import Compression, as_method
-from ..horovod_basics import (  # noqa: F401 - Horovod's names
+from ..horovod_api.basics import (  # noqa: F401 - Horovod's names
     check_num_rank_power_of_2,
     handle_average_backwards_compatibility,
     split_list,
 )
-from ..horovod_common import *  # noqa: F403 - Horovod's names every front-end shares
+from ..horovod_api.common import *  # noqa: F403 - Horovod's names every front-end shares
 from .bridge import numpy_call
 
 _FW = "tensorflow"

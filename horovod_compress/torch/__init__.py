@@ -12,7 +12,7 @@ import sys as _sys
 from ..compressors import Compression
 from . import elastic, optimizer
 from . import rng as _rng  # noqa: F401  (registers powersgd's q_init="torch" generator)
-from ..horovod_common import *  # noqa: F403 - Horovod's names every front-end shares
+from ..horovod_api.common import *  # noqa: F403 - Horovod's names every front-end shares
 from .horovod_api import (
     DistributedOptimizer,
     HorovodInternalError,

@@ -17,15 +17,15 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .. import horovod_basics as hb
-from ..horovod_elastic import (
+from ..horovod_api import basics as hb
+from ..horovod_api.elastic import (
     HorovodInternalError,
     HostsUpdatedInterrupt,
     ObjectState,
     State,
     refuse_elastic_launch,
 )
-from ..horovod_elastic import run_fn as _run_fn
+from ..horovod_api.elastic import run_fn as _run_fn
 
 
 def init(*args: Any, **kwargs: Any) -> None:

@@ -23,10 +23,11 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
-from .. import horovod_basics as hb
+from ..horovod_api import basics as hb
 from ..compressors.registry import Compression, as_method
-from ..horovod_basics import HorovodInternalError, poll, synchronize  # noqa: F401 - Horovod's
-from ..horovod_common import *  # noqa: F403 - Horovod's names every front-end shares
+from ..horovod_api.basics import HorovodInternalError, poll, synchronize  # noqa: F401 - Horovod's
+from ..horovod_api.common import *  # noqa: F403 - Horovod's names every front-end shares
+from ..horovod_api.method_limits import HorovodAdapterError
 from . import broadcast as _bcast
 from . import optimizer as _opt
 from .tensors import to_numpy
@@ -357,7 +358,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
         comm = _comm(process_set)
     if kind == Adasum and comm.size > 1:
         if method.name not in ("none", "fp16", "bf16"):
-            from ..horovod_compat import HorovodAdapterError
             raise HorovodAdapterError(
                 f"{method.name}: op=Adasum combines the ranks' model deltas with the Adasum rule, "
                 "which a compressed average cannot replace; use op=Average or op=Sum with this "

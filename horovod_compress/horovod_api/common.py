@@ -1,11 +1,11 @@
 """The names of Horovod's basic API that every front-end exports unchanged.
 
-``from ..horovod_common import *`` in the PyTorch, TensorFlow and Keras
+``from ..horovod_api.common import *`` in the PyTorch, TensorFlow and Keras
 front-ends: the reduction ops, process sets, ``is_initialized``, the
 "built"/"enabled" flags and the timeline (start_timeline/stop_timeline), all from
-:mod:`horovod_compress.horovod_basics`.
+:mod:`horovod_compress.horovod_api.basics`.
 """
-from .horovod_basics import (  # noqa: F401 - re-exported
+from .basics import (  # noqa: F401 - re-exported
     Adasum,
     Average,
     Max,

@@ -19,7 +19,7 @@ import functools
 import os
 from typing import Any, Callable
 
-from .horovod_basics import HorovodInternalError, HostsUpdatedInterrupt
+from .basics import HorovodInternalError, HostsUpdatedInterrupt
 
 ELASTIC_ENV = "HOROVOD_ELASTIC"
 

@@ -22,8 +22,9 @@ import numpy as np
 
 # Reduction ops. Average and Sum are the values our front-ends have always used
 # (runtime.ops); Horovod's integer constants (Average=0 ... Product=5) are accepted too.
-from .mpi_collectives import timeline_file
-from .runtime.ops import Average, Sum
+from ..mpi_collectives import timeline_file
+from ..runtime.ops import Average, Sum
+from .method_limits import HorovodAdapterError, is_stateless
 
 Adasum = "adasum"
 Min = "min"
@@ -78,13 +79,17 @@ _STATE = _State()
 _WORLDS: dict[str, Any] = {}
 
 
+def register_world(framework: str, world: Any) -> None:
+    """Make ``world`` (a front-end's process-group state: ``init``, ``communicator``, ...) the one
+    :func:`init` and the ranks use for ``framework``; each front-end registers its own on import,
+    so this layer never imports a front-end."""
+    _WORLDS[framework] = world
+
+
 def _front_world(framework: str) -> Any:
     if framework not in _WORLDS:
-        if framework == "torch":
-            from .torch import world
-        else:
-            from .tensorflow import world
-        _WORLDS[framework] = world
+        raise RuntimeError(f"no {framework!r} front-end registered: import "
+                           f"horovod_compress.{framework} before calling its Horovod API")
     return _WORLDS[framework]
 
 
@@ -231,7 +236,7 @@ def ccl_built() -> bool:
 def cuda_built() -> bool:
     """Whether GPU buffers go through MPI without staging (CUDA-aware MPI)."""
     try:
-        from .mpi_collectives.cuda_aware import cuda_aware_mpi
+        from ..mpi_collectives.cuda_aware import cuda_aware_mpi
         return bool(cuda_aware_mpi())
     except Exception:  # noqa: BLE001
         return False
@@ -363,7 +368,7 @@ _SET_LOCK = threading.Lock()
 
 def add_process_set(process_set: Any, framework: str = "torch") -> ProcessSet:
     """Register a process set (collective over every rank, in the same order everywhere)."""
-    from .mpi_collectives import Communicator
+    from ..mpi_collectives import Communicator
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     if ps.process_set_id is not None:
         raise ValueError(f"{ps} is already registered")
@@ -577,7 +582,6 @@ def reduce_dense(comm: Any, x: np.ndarray, kind: str) -> np.ndarray:
 def reduce_with_method(method: Any, comm: Any, x: np.ndarray, kind: str, key: str | None,
                        ) -> np.ndarray:
     """``x`` reduced by ``kind`` with ``method`` (any method for Average/Sum; dense otherwise)."""
-    from .horovod_compat import HorovodAdapterError, is_stateless
     if method.name == "none":
         return reduce_dense(comm, x, kind)
     if kind == Adasum and method.name in ("fp16", "bf16"):
@@ -630,7 +634,6 @@ def allreduce_scaled(method: Any, comm: Any, x: np.ndarray, kind: str, key: str 
 def require_uncompressed_reducescatter(method: Any) -> None:
     """Refuse a compression method for reducescatter (HorovodAdapterError naming the fix)."""
     if method.name != "none":
-        from .horovod_compat import HorovodAdapterError
         raise HorovodAdapterError(f"{method.name}: reducescatter with a compression method is "
                                   "not supported; use compression=Compression.none")
 
