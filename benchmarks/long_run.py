@@ -1,7 +1,7 @@
 """What a long run holds: memory and communicators after 10,000 steps, per method, on real ranks.
 
 Run (2 ranks; ``HVDC_MPI=mpich`` and ``mpiexec.mpich`` for MPICH, see
-``horovod_compress/mpi_launcher.py`` for the environment it needs)::
+``horovod_compress/tools/mpi_launcher.py`` for the environment it needs)::
 
     mpirun -np 2 .venv/bin/python benchmarks/long_run.py --steps 10000 > benchmarks/long_run.md
 

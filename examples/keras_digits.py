@@ -17,7 +17,7 @@ import numpy as np
 
 import horovod_compress as hvdc
 import horovod_compress.keras as hvdc_keras
-from horovod_compress.bench.digits import load_digits_split
+from horovod_compress.tools.bench.digits import load_digits_split
 
 
 def main() -> None:

@@ -21,7 +21,7 @@ import torch
 
 import horovod_compress as hvdc
 import horovod_compress.torch as hvdc_torch
-from horovod_compress.bench.digits import load_digits_split
+from horovod_compress.tools.bench.digits import load_digits_split
 
 
 def make_model(kind: str) -> torch.nn.Module:

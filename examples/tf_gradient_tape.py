@@ -21,7 +21,7 @@ import tensorflow as tf  # noqa: E402
 
 import horovod_compress as hvdc  # noqa: E402
 import horovod_compress.tensorflow as hvdc_tf  # noqa: E402
-from horovod_compress.bench.digits import load_digits_split  # noqa: E402
+from horovod_compress.tools.bench.digits import load_digits_split  # noqa: E402
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 A bottom-layer module (no imports of the package): the cost model
 (:mod:`horovod_compress.cost_model`) and the emulated cluster
-(:mod:`horovod_compress.cluster.netns`) both read these units.
+(:mod:`horovod_compress.tools.cluster.netns`) both read these units.
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ bash "$root/scripts/setup.sh"
 cd "$root"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 .venv/bin/hvdc train --np 4 --compression all --out results/demo "$@"
-if reason=$(.venv/bin/python -c "from horovod_compress.cluster import preflight; preflight('demo')" 2>&1); then
+if reason=$(.venv/bin/python -c "from horovod_compress.tools.cluster import preflight; preflight('demo')" 2>&1); then
   .venv/bin/hvdc bench e2e --hosts 4 --bandwidths 1gbit --steps 2 \
     --methods none,fp16,topk,oktopk,global_qsgd,powersgd,greedylore,deepreduce \
     --out results/demo --name network

@@ -74,7 +74,7 @@ if [ ! -f "$stamp" ]; then
   rm -f "$venv"/.hvdc-deps-*; touch "$stamp"
 fi
 
-# 3b. mpi4py's wheel loads MPICH's ABI module when told to (horovod_compress/mpi_launcher.py sets
+# 3b. mpi4py's wheel loads MPICH's ABI module when told to (horovod_compress/tools/mpi_launcher.py sets
 #     MPI4PY_LIBMPI for MPICH runs); that module links to libmpi.so.12, which Debian's MPICH calls
 #     libmpich.so.12: one link in the venv, on LD_LIBRARY_PATH for MPICH ranks only.
 if [ "${HVDC_SKIP_MPICH:-0}" != 1 ] && [ ! -e "$venv/mpich-abi/libmpi.so.12" ]; then
@@ -133,9 +133,9 @@ if [ ! -f "$stamp_dir/.precompiled-$sources_hash" ]; then
   # P = 1, then P = 2 for the kernels only more than one rank reaches (MPI reduction
   # operators, pipelined rings, shared-memory windows, merges of received messages)
   OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
-    "$py" -m horovod_compress.kernels.precompile >/dev/null
+    "$py" -m horovod_compress.tools.precompile >/dev/null
   OMP_NUM_THREADS=1 NUMBA_NUM_THREADS=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
-    mpirun -np 2 --oversubscribe "$py" -m horovod_compress.kernels.precompile >/dev/null
+    mpirun -np 2 --oversubscribe "$py" -m horovod_compress.tools.precompile >/dev/null
   mkdir -p "$stamp_dir" && rm -f "$stamp_dir"/.precompiled-* && touch "$stamp_dir/.precompiled-$sources_hash"
 fi
 log "ready: $venv (source .venv/bin/activate)"

@@ -1,10 +1,10 @@
 """Shared pytest setup: the ``cupy`` fixture for the tests that need a CUDA device, and the
-MPI-case plugin (:mod:`horovod_compress.testing_plugin`): a case that failed on real ranks
+MPI-case plugin (:mod:`horovod_compress.tools.testing_plugin`): a case that failed on real ranks
 fails its module even when no test reads it, and the run ends with a tally of case runs."""
 import pytest
 
-from horovod_compress.testing_plugin import every_failed_case_is_read  # noqa: F401
-from horovod_compress.testing_plugin import pytest_terminal_summary as case_tally
+from horovod_compress.tools.testing_plugin import every_failed_case_is_read  # noqa: F401
+from horovod_compress.tools.testing_plugin import pytest_terminal_summary as case_tally
 
 
 @pytest.fixture
@@ -28,14 +28,14 @@ def cupy():
 
 def pytest_report_header(config):
     """Which MPI implementation this run launches (``HVDC_MPI``: openmpi or mpich)."""
-    from horovod_compress.mpi_launcher import ENV_VAR, selected
+    from horovod_compress.tools.mpi_launcher import ENV_VAR, selected
     return f"MPI implementation: {selected().name} (set {ENV_VAR}=openmpi|mpich to choose)"
 
 
 def pytest_terminal_summary(terminalreporter):
     """The tally of case runs (read, failed, unread) and the number of MPI cases (``run_cases``)
     this run executed on each implementation."""
-    from horovod_compress.mpi_launcher import CASES_RUN
+    from horovod_compress.tools.mpi_launcher import CASES_RUN
     case_tally(terminalreporter)
     for name, count in sorted(CASES_RUN.items()):
         terminalreporter.write_line(f"MPI cases run on {name}: {count}")

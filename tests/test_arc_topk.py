@@ -25,7 +25,7 @@ from horovod_compress.kernels.rows import (
     scatter_rows,
     top_rows,
 )
-from horovod_compress.testing import gather_float64, run_cases, same_on_all_ranks
+from horovod_compress.tools.testing import gather_float64, run_cases, same_on_all_ranks
 
 F32 = 4
 

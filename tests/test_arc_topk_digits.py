@@ -10,7 +10,7 @@ rates with identical settings.
 from __future__ import annotations
 
 import horovod_compress as hvdc
-from horovod_compress.testing import run_cases
+from horovod_compress.tools.testing import run_cases
 
 
 def case_digits(comm):
@@ -22,7 +22,7 @@ def case_digits(comm):
     effective step. ARC-Top-K and Rand-K rows are compared at identical settings,
     at that lr and at 0.2 (where Rand-K rows, less stable, trains better).
     """
-    from horovod_compress.bench.digits import train_digits
+    from horovod_compress.tools.bench.digits import train_digits
 
     keys = ("test_accuracy", "bytes_sent_per_step", "dense_bytes_per_step")
     out = {"dense": train_digits(hvdc.Compression.none(), comm, epochs=30)}

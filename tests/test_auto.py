@@ -27,7 +27,7 @@ from horovod_compress.compressors.auto import DEFAULT_CANDIDATES, Auto
 from horovod_compress.compressors.auto_decide import DriftMonitor, choose, predict_exchange
 from horovod_compress.compressors.auto_measure import Measurement, OpProbe
 from horovod_compress.compressors.registry import as_method
-from horovod_compress.testing import gather_float64, run_cases, same_on_all_ranks
+from horovod_compress.tools.testing import gather_float64, run_cases, same_on_all_ranks
 
 N = 1 << 18          # a 1 MiB bucket of float32 (real measurements)
 N_SYN = 1 << 14      # the synthetic-link cases' bucket (above min_numel, quick to compress)

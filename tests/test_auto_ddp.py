@@ -28,7 +28,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from horovod_compress.testing import torchrun_command, torchrun_env  # noqa: E402
+from horovod_compress.tools.testing import torchrun_command, torchrun_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, SPLIT = 6, 3

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from horovod_compress.bench import all as bench_all
-from horovod_compress.bench import convergence
-from horovod_compress.testing import mpi_env
+from horovod_compress.tools.bench import all as bench_all
+from horovod_compress.tools.bench import convergence
+from horovod_compress.tools.testing import mpi_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _hvdc(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = mpi_env()
     env.pop("HVDC_LAUNCHED", None)
-    return subprocess.run([sys.executable, "-m", "horovod_compress.cli", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", "horovod_compress.tools.cli", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

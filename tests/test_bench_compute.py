@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from horovod_compress.bench.compute import parse_spec, render_markdown
+from horovod_compress.tools.bench.compute import parse_spec, render_markdown
 
 pytestmark = pytest.mark.mpi
 
@@ -23,7 +23,7 @@ def test_parse_spec_converts_numbers() -> None:
 def test_compute_reports_each_p_against_memcpy_and_dense(tmp_path: Path) -> None:
     stem = tmp_path / "compute"
     proc = subprocess.run(
-        [sys.executable, "-m", "horovod_compress.cli", "bench", "compute", "--np", "1", "2",
+        [sys.executable, "-m", "horovod_compress.tools.cli", "bench", "compute", "--np", "1", "2",
          "--shape", "64x50", "--repeat", "2", "--warmup", "1",
          "--methods", "topk:density=0.05,fp16,powersgd:rank=2", "--out", str(stem)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONHASHSEED": "0"})

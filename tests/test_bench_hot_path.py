@@ -15,7 +15,7 @@ pytestmark = pytest.mark.mpi
 def test_hot_path_reports_every_method_against_memcpy_and_dense(tmp_path: Path) -> None:
     out = tmp_path / "hot_path.md"
     proc = subprocess.run(
-        [sys.executable, "-m", "horovod_compress.cli", "bench", "hot_path", "--np", "2",
+        [sys.executable, "-m", "horovod_compress.tools.cli", "bench", "hot_path", "--np", "2",
          "--shape", "64x50", "--repeat", "2", "--warmup", "1",
          "--methods", "topk:density=0.05,global_qsgd:bits=8;dithering=linear", "--out", str(out)],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONHASHSEED": "0"})

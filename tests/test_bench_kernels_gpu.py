@@ -18,7 +18,7 @@ import pytest
 
 
 def _hvdc(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "horovod_compress.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "horovod_compress.tools.cli", *args], capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **env})
 
 
@@ -49,7 +49,7 @@ def test_every_gpu_kernel_has_a_benchmark_case() -> None:
     (counted in its source: building the cases needs a device or the simulator)."""
     import re
 
-    from horovod_compress.bench import kernels_gpu
+    from horovod_compress.tools.bench import kernels_gpu
     src = Path(kernels_gpu.__file__).read_text()
     labels = re.findall(r'GpuCase\(\s*f?"([^"]+)"', src)
     assert len(labels) == 23 and len(set(labels)) == 23, labels

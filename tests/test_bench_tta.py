@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from horovod_compress.bench import tta
-from horovod_compress.bench.tta_task import (MODELS, VAL_EVERY, bits_per_byte, build_gpt, corpus_files,
+from horovod_compress.tools.bench import tta
+from horovod_compress.tools.bench.tta_task import (MODELS, VAL_EVERY, bits_per_byte, build_gpt, corpus_files,
                                              parameter_count, read_bytes, stdlib_root, train_batch,
                                              validation_windows)
-from horovod_compress.testing import mpi_env
+from horovod_compress.tools.testing import mpi_env
 
 
 def test_split_is_by_file_deterministic_and_disjoint(tmp_path: Path) -> None:
@@ -100,7 +100,7 @@ def test_unknown_methods_are_skipped_and_dense_comes_first() -> None:
 
 
 def _cli(out: Path, methods: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "horovod_compress.cli", "bench", "tta", "--no-cluster", "--hosts", "2",
+    cmd = [sys.executable, "-m", "horovod_compress.tools.cli", "bench", "tta", "--no-cluster", "--hosts", "2",
            "--model", "tiny", "--steps", "4", "--eval-every", "2", "--seeds", "0", "--val-windows", "8",
            "--train-bytes", "200000", "--methods", methods, "--out", str(out), "--timeout", "150"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=mpi_env())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from horovod_compress.bench import advice, choosing
+from horovod_compress.tools.bench import advice, choosing
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +52,7 @@ def test_recommendation_is_the_fastest_within_the_budget_else_dense():
 def test_committed_page_and_reference_data_equal_the_generator_output():
     for path, text in choosing.outputs().items():
         assert path.read_text() == text, (f"{path.relative_to(ROOT)} is out of date: run "
-                                          f"python -m horovod_compress.bench.choosing")
+                                          f"python -m horovod_compress.tools.bench.choosing")
 
 
 def test_choosing_page_recommends_by_the_measurements():
@@ -70,7 +70,7 @@ def test_choosing_page_recommends_by_the_measurements():
 
 def test_hvdc_model_works_outside_the_repository_and_warns(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "horovod_compress.cli", "model", "--network", "10gbe",
+    proc = subprocess.run([sys.executable, "-m", "horovod_compress.tools.cli", "model", "--network", "10gbe",
                            "--ranks", "4", "64"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -78,7 +78,7 @@ def test_hvdc_model_works_outside_the_repository_and_warns(tmp_path):
     assert "| randk | -88.30 (!)" in out
     assert "randk: loses 88 points of accuracy at dense's learning rate" in out
     assert "Recommended (fastest within 1 point(s) of dense's accuracy): P=4: global_qsgd" in out
-    missing = subprocess.run([sys.executable, "-m", "horovod_compress.cli", "model", "--profile", "nope.json"],
+    missing = subprocess.run([sys.executable, "-m", "horovod_compress.tools.cli", "model", "--profile", "nope.json"],
                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "hvdc profile" in missing.stderr
 

@@ -8,7 +8,7 @@ import re
 import pytest
 
 import horovod_compress as hvdc
-from horovod_compress.cli import main, plain_text
+from horovod_compress.tools.cli import main, plain_text
 from horovod_compress.compressors import registry
 
 
@@ -124,7 +124,7 @@ def test_no_stray_escape_codes_under_mpirun(highlighting, escapes):
     import subprocess
     import sys
 
-    from horovod_compress.testing import mpi_env, mpirun_command
+    from horovod_compress.tools.testing import mpi_env, mpirun_command
     env = mpi_env()
     env.pop("NUMBA_DISABLE_ERROR_MESSAGE_HIGHLIGHTING", None)
     if highlighting is not None:
@@ -143,7 +143,7 @@ def test_docs_state_the_demo_step_time_in_the_unit_it_prints():
     """``hvdc train`` prints milliseconds per step; README and getting-started say so."""
     from pathlib import Path
 
-    from horovod_compress.bench.train import format_table
+    from horovod_compress.tools.bench.train import format_table
     row = {"method": "none", "config": {"name": "none"}, "test_accuracy": 0.9, "bytes_sent_per_step": 1024.0,
            "compression_ratio": 1.0, "seconds_per_step": 0.002}
     assert "ms/step" in format_table([row])
@@ -187,7 +187,7 @@ def case_bytes_sent_counts_the_exchange(comm):
 
 @pytest.mark.mpi
 def test_bytes_sent_of_the_exchange_excludes_the_initial_broadcast():
-    from horovod_compress.testing import run_cases
+    from horovod_compress.tools.testing import run_cases
     results = run_cases(2, __file__, [case_bytes_sent_counts_the_exchange], timeout=300)
     for rank, r in results[case_bytes_sent_counts_the_exchange].items():
         assert r["exchange"] == pytest.approx(r["dense"]), (rank, r["by_op"])

@@ -22,11 +22,11 @@ import pytest
 
 import horovod_compress as hvdc
 
-from horovod_compress.cluster import (ClusterSpec, ClusterUnavailable, EmulatedCluster, namespaces_of,
+from horovod_compress.tools.cluster import (ClusterSpec, ClusterUnavailable, EmulatedCluster, namespaces_of,
                                       parse_rate, preflight)
 from horovod_compress.cost_model import (Network, OpCount, StepProfile, break_even_bandwidth, fit_link,
                                          predict, speedup)
-from horovod_compress.testing import read_case_results, worker_command
+from horovod_compress.tools.testing import read_case_results, worker_command
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -137,7 +137,7 @@ def test_fit_link_on_the_testbed_rounds_and_bucket():
 
 def test_probe_passes_pool_their_samples():
     """A run probes before each round and after the last; one slow pass must not become the link."""
-    from horovod_compress.bench.e2e_worker import merge_probes, probe_passes
+    from horovod_compress.tools.bench.e2e_worker import merge_probes, probe_passes
 
     def one_pass(large: float) -> dict:
         op = {"large_bytes": 1000.0, "idle_cpu_s": 0.05,
@@ -164,7 +164,7 @@ def test_a_run_whose_ranks_never_start_fails_fast():
     """The launcher's start watchdog: a job that prints nothing is killed after --start-timeout
     (not --timeout) with its own error, which the bench answers by launching the run once more;
     a job whose rank 0 reports in runs to the end."""
-    from horovod_compress.bench.e2e import STARTED_LINE, RanksDidNotStart, _stream
+    from horovod_compress.tools.bench.e2e import STARTED_LINE, RanksDidNotStart, _stream
 
     class Bar:
         """What the launcher's progress bar is told: the count and the last label."""
@@ -274,7 +274,7 @@ def test_nothing_left_after_a_failure():
             raise RuntimeError("boom")
     assert namespaces_of(name) == []
     # the CLI's ephemeral run: the command fails, the cluster goes away, the exit code comes back
-    rc = subprocess.call([sys.executable, "-m", "horovod_compress.cli", "cluster", "run", "--ephemeral",
+    rc = subprocess.call([sys.executable, "-m", "horovod_compress.tools.cli", "cluster", "run", "--ephemeral",
                           "--name", name, "--hosts", "2", "--", "sh", "-c", "exit 7"], cwd=ROOT)
     assert rc == 7
     assert namespaces_of(name) == []
@@ -285,7 +285,7 @@ def test_bench_e2e_writes_its_tables(tmp_path):
     name = f"e{os.getpid() % 100000}"
     _cluster_or_skip(name)
     out = tmp_path / "bench"
-    proc = subprocess.run([sys.executable, "-m", "horovod_compress.cli", "bench", "e2e", "--hosts", "2",
+    proc = subprocess.run([sys.executable, "-m", "horovod_compress.tools.cli", "bench", "e2e", "--hosts", "2",
                            "--bandwidths", "1gbit", "--model", "tiny", "--methods", "topk,oktopk",
                            "--steps", "1", "--warm", "1", "--rounds", "2", "--probe-repeats", "3",
                            "--out", str(out), "--cluster-name", name],
@@ -346,7 +346,7 @@ def test_bench_e2e_writes_its_tables(tmp_path):
     assert "Speedup of the exchange alone over dense" in (out / "e2e.md").read_text()
     # hvdc model reads those profiles: a row per method, dense at 1.00x, a break-even for the others
     table = out / "model.md"
-    proc = subprocess.run([sys.executable, "-m", "horovod_compress.cli", "model", "--profiles",
+    proc = subprocess.run([sys.executable, "-m", "horovod_compress.tools.cli", "model", "--profiles",
                            str(out / "e2e.json"), "--network", "10gbe", "--ranks", "2", "1024", "--out", str(table),
                            "--plot", str(out / "model.png")], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -362,7 +362,7 @@ def test_bench_e2e_writes_its_tables(tmp_path):
     again = tmp_path / "again"
     again.mkdir()
     shutil.copy(out / "e2e_calls.json", again / "e2e_calls.json")
-    proc = subprocess.run([sys.executable, "-m", "horovod_compress.cli", "bench", "e2e", "--rerender",
+    proc = subprocess.run([sys.executable, "-m", "horovod_compress.tools.cli", "bench", "e2e", "--rerender",
                            str(out / "e2e.json"), "--out", str(again)], capture_output=True, text=True, cwd=ROOT,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -375,7 +375,7 @@ def test_bench_e2e_writes_its_tables(tmp_path):
     failed = dict(report, runs=[], failed_runs=[{"world_size": run["world_size"], "bandwidth": run["bandwidth"],
                                                  "error": "benchmark workers failed"}])
     (again / "failed.json").write_text(json.dumps(failed))
-    proc = subprocess.run([sys.executable, "-m", "horovod_compress.cli", "bench", "e2e", "--rerender",
+    proc = subprocess.run([sys.executable, "-m", "horovod_compress.tools.cli", "bench", "e2e", "--rerender",
                            str(again / "failed.json"), str(out / "e2e.json"), "--out", str(again), "--name", "merged"],
                           capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -406,7 +406,7 @@ def test_nothing_left_after_an_interrupt(signame):
     # a shell's background job (`pytest ... &`) starts with SIGINT ignored, which children
     # inherit; the script restores Python's handler so that it sees the Ctrl-C a terminal sends
     script = (f"import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
-              f"from horovod_compress.cluster import *\n"
+              f"from horovod_compress.tools.cluster import *\n"
               f"with EmulatedCluster(ClusterSpec(hosts=2, name={name!r})):\n"
               f"    print('up', flush=True)\n"
               f"    import time; time.sleep(60)\n")
@@ -424,7 +424,7 @@ def test_nothing_left_after_an_interrupt(signame):
 
 @pytest.mark.timeout(120)
 def test_up_refuses_to_rebuild_a_cluster_in_use():
-    from horovod_compress.cluster import ClusterError, up
+    from horovod_compress.tools.cluster import ClusterError, up
     name = f"u{os.getpid() % 100000}"
     _cluster_or_skip(name)
     with EmulatedCluster(ClusterSpec(hosts=2, name=name, bandwidth="1gbit")) as cluster:

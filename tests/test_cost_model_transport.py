@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from horovod_compress.bench.e2e import profile_of
-from horovod_compress.bench.e2e_calls import RING_OP, RingTransport
+from horovod_compress.tools.bench.e2e import profile_of
+from horovod_compress.tools.bench.e2e_calls import RING_OP, RingTransport
 from horovod_compress.cost_model import ONE_WAY, RING, Network, OpCount, StepProfile, fit_link, predict
 from horovod_compress.mpi_collectives.accounting import Accounting
 
@@ -264,7 +264,7 @@ def test_recorded_gaps_wait_per_call_not_at_the_mean_gap():
 
 
 def test_profile_reads_the_recorded_gaps_beside_the_sizes():
-    from horovod_compress.bench.e2e_calls import GAP_SUFFIX
+    from horovod_compress.tools.bench.e2e_calls import GAP_SUFFIX
     m = {"compute_cpu_s": 0.1, "compress_cpu_s": 0.05,
          "ops": {"allreduce": {"calls": 2.0, "sent": 3e3, "received": 3e3}}}
     prof = profile_of("powersgd", m, 2, {"allreduce": [1e3, 2e3], "allreduce" + GAP_SUFFIX: [0.04, 1e-4]})
@@ -278,7 +278,7 @@ def test_a_fused_group_is_priced_as_the_calls_on_the_wire():
     """A matrix method's group goes out fused (runtime/per_tensor.py): the communicator counts 72
     per-tensor allreduces, the call log two fused ones carrying the same bytes. The model takes the
     log's two calls (and scales them to other P as two); a log whose bytes differ is not taken."""
-    from horovod_compress.bench.e2e_calls import GAP_SUFFIX
+    from horovod_compress.tools.bench.e2e_calls import GAP_SUFFIX
     m = {"compute_cpu_s": 0.1, "compress_cpu_s": 0.05,
          "ops": {"allreduce": {"calls": 72.0, "sent": 3e6, "received": 3e6}}}
     prof = profile_of("powersgd", m, 4, {"allreduce": [1e6, 2e6], "allreduce" + GAP_SUFFIX: [0.02, 0.01]})
@@ -356,7 +356,7 @@ def test_rate_curve_skips_sizes_barely_past_the_bucket_and_one_off_stalls():
 def test_hvdc_model_gives_every_method_the_same_forward_and_backward():
     """The same model on the same batches: the methods' passes differ only by noise, which must not
     rank them (a method whose pass ran faster than dense's would win "at any bandwidth")."""
-    from horovod_compress.bench.model_cmd import common_forward_backward
+    from horovod_compress.tools.bench.model_cmd import common_forward_backward
     from horovod_compress.cost_model import break_even_bandwidth
     ops = {"allgather": OpCount(1, 1e6, 1e6)}
     dense = StepProfile("none", 4, 0.43, 0.02, {"allreduce": OpCount(1, 7e7, 7e7)})

@@ -47,7 +47,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from horovod_compress.testing import run_cases, torchrun_command, torchrun_env  # noqa: E402
+from horovod_compress.tools.testing import run_cases, torchrun_command, torchrun_env  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # The replay case finds the torchrun ranks' records in this directory.
@@ -160,7 +160,7 @@ def test_hvdc_train_torchrun_launcher(tmp_path):
     """``hvdc train --np 2 --launcher torchrun`` relaunches itself under torchrun (whose parser
     must not see ``--np``) and trains the digits MLP with the method as a DDP hook."""
     pytest.importorskip("torch")
-    cmd = [sys.executable, "-m", "horovod_compress.cli", "train", "--np", "2", "--launcher",
+    cmd = [sys.executable, "-m", "horovod_compress.tools.cli", "train", "--np", "2", "--launcher",
            "torchrun", "--compression", "topk", "--param", "density=0.1", "--epochs", "1",
            "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
@@ -172,7 +172,7 @@ def test_hvdc_train_torchrun_launcher(tmp_path):
 
 def test_ddp_e2e_is_an_hvdc_bench_command():
     """``hvdc bench ddp-e2e --help`` reaches the benchmark's own options (nothing is run)."""
-    proc = subprocess.run([sys.executable, "-m", "horovod_compress.cli", "bench", "ddp-e2e", "--help"],
+    proc = subprocess.run([sys.executable, "-m", "horovod_compress.tools.cli", "bench", "ddp-e2e", "--help"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "--variants" in proc.stdout and "--bandwidth" in proc.stdout
@@ -181,7 +181,7 @@ def test_ddp_e2e_is_an_hvdc_bench_command():
 def test_ddp_e2e_variants_and_page(tmp_path):
     """The DDP benchmark's variant syntax (``all``, ``hvdc_<method>:{json}``), its page and plot."""
     pytest.importorskip("matplotlib")
-    from horovod_compress.bench import ddp_e2e
+    from horovod_compress.tools.bench import ddp_e2e
 
     everything = ddp_e2e.split_variants(ddp_e2e.expand_variants("all"))
     assert everything[:3] == ["ddp_dense", "torch_powerSGD_hook", "hvdc_powersgd"]
@@ -696,7 +696,7 @@ def ranks_digits(out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from horovod_compress.bench.ddp_digits import train_ddp_digits
+    from horovod_compress.tools.bench.ddp_digits import train_ddp_digits
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

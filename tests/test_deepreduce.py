@@ -23,7 +23,7 @@ from horovod_compress.compressors.sparse_common import (
     scatter_sum,
     topk_indices,
 )
-from horovod_compress.testing import run_cases, same_on_all_ranks
+from horovod_compress.tools.testing import run_cases, same_on_all_ranks
 
 N = 3000
 

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 import horovod_compress as hvdc
-from horovod_compress.testing import run_cases
+from horovod_compress.tools.testing import run_cases
 
 
 def case_digits_convergence(comm):
     """Digits MLP at P ranks, 30 epochs: Top-k + DeepReduce(Bloom P2, polyfit) vs Top-k alone."""
-    from horovod_compress.bench.digits import train_digits
+    from horovod_compress.tools.bench.digits import train_digits
     epochs = 30
     base = train_digits(hvdc.Compression.topk(density=0.01), comm, epochs=epochs, seed=0)
     dr = train_digits(hvdc.Compression.deepreduce(density=0.01, index="bloom", policy="p2",

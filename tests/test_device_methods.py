@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from horovod_compress import Compression
-from horovod_compress.testing import run_cases
+from horovod_compress.tools.testing import run_cases
 
 SIM = {"NUMBA_ENABLE_CUDASIM": "1"}
 

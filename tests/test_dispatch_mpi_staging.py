@@ -19,7 +19,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from horovod_compress.testing import run_cases
+from horovod_compress.tools.testing import run_cases
 
 
 # ------------------------------------------------------------------------ cases

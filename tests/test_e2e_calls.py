@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from horovod_compress.testing import run_cases
+from horovod_compress.tools.testing import run_cases
 
 #: CPU seconds the forward pass burns on top of the tiny model's own. A gap that wrongly held the
 #: pass would be at least this long (CPU time never exceeds wall time); a right one holds only the
@@ -28,7 +28,7 @@ def _burn(seconds: float) -> None:
 def case_gap_of_a_bucket_starts_at_its_agreement(comm):
     """Dense (one allreduce right after the agreement) and PowerSGD (its first call after its
     own work): the first gap holds only the method's work, not the pass's 300 ms before it."""
-    from horovod_compress.bench import e2e_calls, e2e_models
+    from horovod_compress.tools.bench import e2e_calls, e2e_models
     build = e2e_models.build_model
 
     def slow_model(name):
@@ -57,7 +57,7 @@ def case_gap_of_a_bucket_starts_at_its_agreement(comm):
     # a matrix method's group goes out fused (runtime/per_tensor.py): the log holds the calls on
     # the wire -- PowerSGD's Ps (with the dense tensors) and Qs, GreedyLore's scores and projections
     # -- each at the whole round's size, not one entry per tensor
-    from horovod_compress.bench.e2e_models import build_model
+    from horovod_compress.tools.bench.e2e_models import build_model
     tensors = sum(1 for _ in build_model("tiny").parameters())
     assert tensors > 2 and len(calls["powersgd"]["allreduce"]) == 2, calls["powersgd"]["allreduce"]
     assert len(calls["greedylore"]["allreduce"]) <= 3, calls["greedylore"]["allreduce"]

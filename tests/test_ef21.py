@@ -16,7 +16,7 @@ import pytest
 
 import horovod_compress as hvdc
 from horovod_compress.feedback import available_feedback, make_feedback
-from horovod_compress.testing import gather_float64, run_cases, same_on_all_ranks
+from horovod_compress.tools.testing import gather_float64, run_cases, same_on_all_ranks
 
 
 def _x(rank: int, step: int, shape=(12, 10)) -> np.ndarray:

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from horovod_compress.testing import mpi_env, mpirun_command
-from horovod_compress.testing_plugin import needs_horovod
+from horovod_compress.tools.testing import mpi_env, mpirun_command
+from horovod_compress.tools.testing_plugin import needs_horovod
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"

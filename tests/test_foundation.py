@@ -15,7 +15,7 @@ import pytest
 
 import horovod_compress as hvdc
 from horovod_compress.compressors.sparse_common import k_from_density
-from horovod_compress.testing import gather_float64, run_cases, same_on_all_ranks
+from horovod_compress.tools.testing import gather_float64, run_cases, same_on_all_ranks
 
 
 def _grad(comm, n=1000, seed=0):

@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from horovod_compress.testing import torchrun_command, torchrun_env
+from horovod_compress.tools.testing import torchrun_command, torchrun_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -170,7 +170,7 @@ def test_fsdp_example_resumes_from_its_checkpoint(tmp_path):
 
 def test_fsdp_bench_is_an_hvdc_bench_command():
     """``hvdc bench fsdp --help`` reaches the benchmark's own options (nothing is run)."""
-    proc = subprocess.run([sys.executable, "-m", "horovod_compress.cli", "bench", "fsdp", "--help"],
+    proc = subprocess.run([sys.executable, "-m", "horovod_compress.tools.cli", "bench", "fsdp", "--help"],
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "--variants" in proc.stdout and "--bandwidth" in proc.stdout
@@ -180,8 +180,8 @@ def test_fsdp_bench_page_and_plot(tmp_path):
     """The FSDP2 benchmark's variants, its page (speedups against FSDP2 dense, the exchange
     kind, bytes) and its plot, from a made-up result."""
     pytest.importorskip("matplotlib")
-    from horovod_compress.bench import fsdp_e2e
-    from horovod_compress.bench.ddp_e2e import ALL_HOOKS
+    from horovod_compress.tools.bench import fsdp_e2e
+    from horovod_compress.tools.bench.ddp_e2e import ALL_HOOKS
 
     everything = fsdp_e2e.expand_variants("all").split(",")
     assert everything[0] == "fsdp_dense" and len(everything) == 1 + len(ALL_HOOKS)
@@ -571,8 +571,8 @@ def ranks_fsdp(out: Path) -> None:
 # ------------------------------------------------------------ torchrun: digits
 def ranks_digits(out: Path) -> None:
     """The digits MLP under FSDP2 and under DDP with each method: accuracy and bytes."""
-    from horovod_compress.bench.ddp_digits import train_ddp_digits
-    from horovod_compress.bench.fsdp_digits import train_fsdp_digits
+    from horovod_compress.tools.bench.ddp_digits import train_ddp_digits
+    from horovod_compress.tools.bench.fsdp_digits import train_fsdp_digits
 
     _start_ranks()
     checks, acc = {}, {}

@@ -125,7 +125,7 @@ pytestmark = pytest.mark.mpi
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda p: f"P{p}")
 def world(request):
-    from horovod_compress.testing import run_cases
+    from horovod_compress.tools.testing import run_cases
     return request.param, run_cases(request.param, CASES, ALL, timeout=300)
 
 

@@ -29,7 +29,7 @@ from horovod_compress.mpi_collectives.reduce_ops import (
     exp_sum_op,
     reduce_stream,
 )
-from horovod_compress.testing import run_cases, same_on_all_ranks
+from horovod_compress.tools.testing import run_cases, same_on_all_ranks
 
 pytestmark = pytest.mark.mpi
 

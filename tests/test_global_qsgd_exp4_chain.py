@@ -21,7 +21,7 @@ Before the fix (4-bit codes through MPI's reduce-scatter) P = 4 failed: 133,062
 of the 1,050,624 at-norm elements saturated and their mean error was -0.125
 (standard error 0.0002). The method now sums 4-bit codes along binomial trees
 of height ceil(log2 P) (``reduce_ops.tree_reduce_once``). The cases below run
-under ``mpirun -np P`` (``horovod_compress.testing.run_cases`` imports this
+under ``mpirun -np P`` (``horovod_compress.tools.testing.run_cases`` imports this
 file on every rank).
 """
 from __future__ import annotations
@@ -91,7 +91,7 @@ def case_exp4_large_payload(comm):
 @pytest.mark.parametrize("p", [4, 3])
 def test_exp4_over_1mib_does_not_saturate(p):
     """P = 4: the case of the open question; P = 3: a tree that is not a power of two."""
-    from horovod_compress.testing import run_cases
+    from horovod_compress.tools.testing import run_cases
 
     res = run_cases(p, Path(__file__), ["case_exp4_large_payload"], timeout=600)
     got = res["case_exp4_large_payload"][0]

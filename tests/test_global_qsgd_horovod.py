@@ -22,8 +22,8 @@ import sys
 
 import pytest
 
-from horovod_compress.testing import run_horovodrun, same_on_all_ranks
-from horovod_compress.testing_plugin import needs_horovod
+from horovod_compress.tools.testing import run_horovodrun, same_on_all_ranks
+from horovod_compress.tools.testing_plugin import needs_horovod
 
 
 pytestmark = [pytest.mark.horovod, pytest.mark.mpi,

@@ -157,7 +157,7 @@ def case_ring_segmentation(comm):
 def test_ring_result_does_not_depend_on_its_pieces():
     from pathlib import Path
 
-    from horovod_compress.testing import run_cases
+    from horovod_compress.tools.testing import run_cases
 
     res = run_cases(2, Path(__file__), ["case_ring_segmentation"], timeout=600)
     per_rank = res["case_ring_segmentation"]

@@ -9,14 +9,14 @@ from __future__ import annotations
 import pytest
 
 import horovod_compress as hvdc
-from horovod_compress.testing import run_cases
+from horovod_compress.tools.testing import run_cases
 
 TRAIN_EPOCHS = 40
 
 
 def case_train_digits(comm):
     """The digits MLP through the PyTorch DistributedOptimizer: dense vs Global-QSGD exp 8-bit."""
-    from horovod_compress.bench.digits import train_digits
+    from horovod_compress.tools.bench.digits import train_digits
     out = {}
     for label, method in {"none": hvdc.Compression.none(),
                           "exp8": hvdc.Compression.global_qsgd()}.items():

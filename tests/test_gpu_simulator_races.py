@@ -168,7 +168,7 @@ def _main() -> None:
 
 @pytest.fixture(scope="module")
 def simulator_results() -> dict[str, str]:
-    from horovod_compress.testing import simulator_check_results
+    from horovod_compress.tools.testing import simulator_check_results
     return simulator_check_results(__file__, timeout=300)
 
 

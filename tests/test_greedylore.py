@@ -41,7 +41,7 @@ from horovod_compress.kernels.lowrank import (
     reconstruct,
     reconstruct_and_subtract,
 )
-from horovod_compress.testing import (
+from horovod_compress.tools.testing import (
     gather_float64,
     low_rank_gradient,
     relative_error,

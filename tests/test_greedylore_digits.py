@@ -5,7 +5,7 @@ Convergence Guarantees" (GreedyLore), Algorithm 3, against its lazy-projection
 baseline (Algorithm 1 / Appendix E).
 
 Real data (scikit-learn's digits), 4 real ranks, through the PyTorch
-``DistributedOptimizer`` (horovod_compress.bench.digits.train_digits): 20 epochs,
+``DistributedOptimizer`` (horovod_compress.tools.bench.digits.train_digits): 20 epochs,
 220 steps, rank 4 and subspace period 50 for both low-rank methods. Measured
 when this test was written (P=4): momentum SGD dense 0.969 / GreedyLore 0.969 /
 lazy 0.891; plain SGD 0.919 / 0.922 / 0.788; Adam 0.975 / 0.969 / 0.922.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 
 import horovod_compress as hvdc
-from horovod_compress.testing import run_cases
+from horovod_compress.tools.testing import run_cases
 
 DIGITS_RUNS = {
     # optimizer label: train_digits keyword arguments
@@ -31,7 +31,7 @@ def case_digits_convergence(comm):
 
     rank 4, subspace period 50, 20 epochs (220 steps at P=4, so 5 SVD steps).
     """
-    from horovod_compress.bench.digits import train_digits
+    from horovod_compress.tools.bench.digits import train_digits
     out = {}
     for label, kw in DIGITS_RUNS.items():
         res = {}

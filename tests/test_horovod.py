@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from horovod_compress.testing import run_horovodrun, same_on_all_ranks
-from horovod_compress.testing_plugin import needs_horovod
+from horovod_compress.tools.testing import run_horovodrun, same_on_all_ranks
+from horovod_compress.tools.testing_plugin import needs_horovod
 
 
 pytestmark = [pytest.mark.horovod, pytest.mark.mpi,
@@ -34,7 +34,7 @@ def test_our_compressors_inside_horovods_optimizer(tmp_path):
 
 
 def test_demo_runs_under_horovodrun(tmp_path):
-    stdout = horovodrun([sys.executable, "-m", "horovod_compress.cli", "train", "--compression",
+    stdout = horovodrun([sys.executable, "-m", "horovod_compress.tools.cli", "train", "--compression",
                          "topk", "--epochs", "2", "--out", str(tmp_path / "demo")], tmp_path)
     assert "| topk |" in stdout
     assert (tmp_path / "demo" / "results.json").exists()

@@ -17,7 +17,7 @@ import types
 import pytest
 
 import horovod_compress as hvdc
-from horovod_compress.testing_plugin import import_horovod
+from horovod_compress.tools.testing_plugin import import_horovod
 
 hvd_torch = import_horovod("horovod.torch")
 

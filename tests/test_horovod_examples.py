@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from horovod_compress.testing import horovodrun_command, mpi_env, mpirun_command
-from horovod_compress.testing_plugin import import_horovod, needs_horovod
+from horovod_compress.tools.testing import horovodrun_command, mpi_env, mpirun_command
+from horovod_compress.tools.testing_plugin import import_horovod, needs_horovod
 
 EXAMPLES = Path(__file__).parent / "horovod_examples"
 IMPORTS = {"import horovod.torch as hvd": "import horovod_compress.torch as hvd",

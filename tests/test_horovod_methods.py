@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 import horovod_compress as hvdc
-from horovod_compress.testing import find_cases, run_horovodrun
-from horovod_compress.testing_plugin import import_horovod, needs_horovod
+from horovod_compress.tools.testing import find_cases, run_horovodrun
+from horovod_compress.tools.testing_plugin import import_horovod, needs_horovod
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TORCH_SCRIPT = SCRIPTS / "horovod_methods_torch.py"

@@ -30,9 +30,9 @@ from test_tensorflow import (  # noqa: E402
 
 import horovod_compress as hvdc  # noqa: E402
 import horovod_compress.keras as hvdc_keras  # noqa: E402
-from horovod_compress.bench.digits import dense_bytes_per_step  # noqa: E402
-from horovod_compress.bench.digits_keras import make_keras_mlp, train_digits_keras  # noqa: E402
-from horovod_compress.testing import run_cases, value_error_messages  # noqa: E402
+from horovod_compress.tools.bench.digits import dense_bytes_per_step  # noqa: E402
+from horovod_compress.tools.bench.digits_keras import make_keras_mlp, train_digits_keras  # noqa: E402
+from horovod_compress.tools.testing import run_cases, value_error_messages  # noqa: E402
 
 
 # --------------------------------------------------------------------------- cases

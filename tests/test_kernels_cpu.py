@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from horovod_compress.bench import kernels as refs
+from horovod_compress.tools.bench import kernels as refs
 from horovod_compress.kernels import (
     bloom,
     exp_reduce,

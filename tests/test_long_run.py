@@ -376,7 +376,7 @@ def case_keras_optimizer(comm):
 
 def case_horovod_torch_optimizer(comm):
     """Horovod's own ``horovod.torch.DistributedOptimizer`` with our methods."""
-    from horovod_compress.testing import horovod_build_skipped
+    from horovod_compress.tools.testing import horovod_build_skipped
     try:
         import horovod.torch as hvd
     except Exception as exc:  # noqa: BLE001 - a skip only where the setup left Horovod out
@@ -452,8 +452,8 @@ _RUNS: dict[tuple[int, str], Any] = {}
 def mpi_results(nprocs: int, case: Callable[[Any], Any]) -> dict[int, Any]:
     """``case``'s per-rank results on ``nprocs`` ranks; its job (core or framework cases, one
     ``mpirun``) runs once, on first use."""
-    from horovod_compress.mpi_launcher import selected
-    from horovod_compress.testing import run_cases
+    from horovod_compress.tools.mpi_launcher import selected
+    from horovod_compress.tools.testing import run_cases
     group = "frameworks" if case in FRAMEWORK_CASES else "core"
     if (nprocs, group) not in _RUNS:
         cases = FRAMEWORK_CASES if group == "frameworks" else CORE_CASES
@@ -503,7 +503,7 @@ def test_long_run_memory_is_flat(nprocs):
 @pytest.mark.parametrize("nprocs", [2, 4])
 def test_ddp_hook_holds_nothing_per_step(tmp_path, nprocs):
     pytest.importorskip("torch.distributed")
-    from horovod_compress.testing import torchrun_command, torchrun_env
+    from horovod_compress.tools.testing import torchrun_command, torchrun_env
     cmd = torchrun_command(nprocs, __file__, "ranks_ddp_hook", str(tmp_path))
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT,
                           env=torchrun_env({"HVDC_ABORT_ON_EXCEPTION": "0"}))

@@ -1,6 +1,6 @@
 """The launcher differences between Open MPI and MPICH, and a real job on each.
 
-``horovod_compress.mpi_launcher`` is the one place that knows them: the
+``horovod_compress.tools.mpi_launcher`` is the one place that knows them: the
 launcher and its flags (oversubscription, root), the environment (Open MPI's
 MCA settings; for MPICH, the library mpi4py must load), selected by
 ``HVDC_MPI``. The unit tests pin each difference; the cases run on real ranks
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from horovod_compress import mpi_launcher
-from horovod_compress.mpi_launcher import MPICH, OPENMPI, selected
-from horovod_compress.testing import mpi_env, mpirun_command, run_cases
+from horovod_compress.tools.mpi_launcher import MPICH, OPENMPI, selected
+from horovod_compress.tools.testing import mpi_env, mpirun_command, run_cases
 
 HAVE = {"openmpi": shutil.which("mpirun") is not None,
         "mpich": shutil.which("mpiexec.mpich") is not None

@@ -25,7 +25,7 @@ from horovod_compress.mpi_collectives.oktopk import (
     radix_rounds,
     split_and_reduce,
 )
-from horovod_compress.testing import find_cases, run_cases, same_on_all_ranks
+from horovod_compress.tools.testing import find_cases, run_cases, same_on_all_ranks
 
 pytestmark = pytest.mark.mpi
 

@@ -27,7 +27,7 @@ from horovod_compress.kernels.oktopk_fused import (
     select_at_least,
 )
 from horovod_compress.kernels.selection import coo_sum, select_by_threshold
-from horovod_compress.testing import run_cases, same_on_all_ranks
+from horovod_compress.tools.testing import run_cases, same_on_all_ranks
 
 FLOATS = st.sampled_from([np.float32, np.float64])
 VALUES = (st.sampled_from([0.0, -0.0, 0.5, -0.5, 1.0, -2.0, 3.25, 1e-30])

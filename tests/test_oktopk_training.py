@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 
 import horovod_compress as hvdc
-from horovod_compress.bench.digits import train_digits
-from horovod_compress.testing import run_cases
+from horovod_compress.tools.bench.digits import train_digits
+from horovod_compress.tools.testing import run_cases
 
 EPOCHS = 30
 

@@ -31,7 +31,7 @@ from horovod_compress.compressors.lowrank_common import orthogonalize, should_co
 from horovod_compress.compressors.powersgd import PowerSGD
 from horovod_compress.kernels import powersgd as kernels
 from horovod_compress.mpi_collectives.accounting import allreduce_volume
-from horovod_compress.testing import low_rank_gradient, relative_error, run_cases, same_on_all_ranks
+from horovod_compress.tools.testing import low_rank_gradient, relative_error, run_cases, same_on_all_ranks
 
 
 # ----------------------------------------------------- PowerSGD vs torch

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from horovod_compress.compressors.registry import available
-from horovod_compress.kernels.precompile import _variants
+from horovod_compress.tools.precompile import _variants
 
 
 def test_every_method_at_defaults_and_biased_ones_under_each_feedback():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from horovod_compress.testing import mpi_env
+from horovod_compress.tools.testing import mpi_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,7 +33,7 @@ def batch(rank, step):
 
 def _hvdc(args, cwd, timeout):
     env = mpi_env({"PYTHONPATH": str(ROOT)})
-    return subprocess.run([sys.executable, "-m", "horovod_compress.cli", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "horovod_compress.tools.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -74,7 +74,7 @@ def test_profile_a_user_model_and_predict_from_it(tmp_path):
 
 
 def test_profile_script_errors_are_clear(tmp_path, monkeypatch, capsys):
-    from horovod_compress.cli import main
+    from horovod_compress.tools.cli import main
     monkeypatch.chdir(tmp_path)
     (tmp_path / "bad.py").write_text("def build_model():\n    return None\n")
     for argv, words in [(["--script", "bad.py"], "must define batch"),

@@ -8,14 +8,14 @@ import sys
 
 import pytest
 
-from horovod_compress.bench.qsgd_model import (
+from horovod_compress.tools.bench.qsgd_model import (
     bandwidth_threshold,
     dense_allreduce_time,
     evaluate,
     gqsgd_allreduce_time,
     measured_speeds,
 )
-from horovod_compress.testing import mpi_env
+from horovod_compress.tools.testing import mpi_env
 
 
 def test_equation_10_reproduces_the_papers_numbers():
@@ -63,7 +63,7 @@ def test_model_rejects_bad_inputs():
 def test_bench_and_model_commands(tmp_path):
     """``hvdc bench qsgd`` (one rank, tiny) writes its files; ``qsgd-model`` reads them back."""
     env = mpi_env()
-    cmd = [sys.executable, "-m", "horovod_compress.cli", "bench", "qsgd", "--np", "1",
+    cmd = [sys.executable, "-m", "horovod_compress.tools.cli", "bench", "qsgd", "--np", "1",
            "--sizes", "8192", "--repeat", "2", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -78,7 +78,7 @@ def test_bench_and_model_commands(tmp_path):
     speeds = measured_speeds(tmp_path / "qsgd.json", "exp8")
     assert speeds["rho"] == 4.0 and speeds["gamma"] == row["gamma_float32_sum"]
     out = tmp_path / "model.md"
-    proc = subprocess.run([sys.executable, "-m", "horovod_compress.cli", "bench", "qsgd-model",
+    proc = subprocess.run([sys.executable, "-m", "horovod_compress.tools.cli", "bench", "qsgd-model",
                            "--from", str(tmp_path / "qsgd.json"), "--workers", "8",
                            "--bandwidth", "1", "10", "--out", str(out)],
                           capture_output=True, text=True, timeout=120, env=env)
@@ -96,6 +96,6 @@ def test_bench_and_model_commands(tmp_path):
         gqsgd = 2 * lg * alpha + 2 * lg * size / rho / beta + lg * size / rho * omega / g + delta * size
         assert table[beta_gbs] == [f"{dense * 1e3:.4g}", f"{gqsgd * 1e3:.4g}",
                                    f"{dense / gqsgd:.3g}x"], (beta_gbs, table[beta_gbs])
-    proc = subprocess.run([sys.executable, "-m", "horovod_compress.cli", "bench", "qsgd-model",
+    proc = subprocess.run([sys.executable, "-m", "horovod_compress.tools.cli", "bench", "qsgd-model",
                            "--paper"], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0 and "beta < 160 GB/s = 0.08 gamma" in proc.stdout, proc.stdout

@@ -21,9 +21,9 @@ import pytest
 import horovod_compress as hvdc
 from horovod_compress.compressors.base import NonFiniteGradientError
 from horovod_compress.mpi_collectives.consistency import TensorMismatchError
-from horovod_compress.testing import (find_cases, mpi_env, mpirun_command, run_cases, run_horovodrun,
+from horovod_compress.tools.testing import (find_cases, mpi_env, mpirun_command, run_cases, run_horovodrun,
                                       same_on_all_ranks)
-from horovod_compress.testing_plugin import import_horovod
+from horovod_compress.tools.testing_plugin import import_horovod
 
 
 # --------------------------------------------------------------------- cases

@@ -35,7 +35,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from horovod_compress.testing import torchrun_command, torchrun_env
+from horovod_compress.tools.testing import torchrun_command, torchrun_env
 
 ROOT = Path(__file__).resolve().parents[1]
 

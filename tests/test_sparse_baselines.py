@@ -23,7 +23,7 @@ from horovod_compress.mpi_collectives.sparse_allreduce_baselines import (
     gtopk_tree_schedule,
     uniform_boundaries,
 )
-from horovod_compress.testing import gather_float64, run_cases, same_on_all_ranks
+from horovod_compress.tools.testing import gather_float64, run_cases, same_on_all_ranks
 
 pytestmark = pytest.mark.mpi
 

@@ -16,7 +16,7 @@ tf = pytest.importorskip("tensorflow")
 
 import horovod_compress as hvdc  # noqa: E402
 import horovod_compress.tensorflow as hvdc_tf  # noqa: E402
-from horovod_compress.testing import (  # noqa: E402
+from horovod_compress.tools.testing import (  # noqa: E402
     horovod_build_skipped,
     run_cases,
     same_on_all_ranks,

@@ -1,8 +1,8 @@
-"""The MPI test harness itself (``horovod_compress.testing.run_cases``) on real ranks.
+"""The MPI test harness itself (``horovod_compress.tools.testing.run_cases``) on real ranks.
 
 One failing or hanging case must fail only itself: the cases after it still
 run (in a fresh ``mpirun``) and report their own results; and a failing case
-that no test reads still fails the run (``horovod_compress.testing_plugin``).
+that no test reads still fails the run (``horovod_compress.tools.testing_plugin``).
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from horovod_compress.testing import CaseFailed, find_cases, run_cases
+from horovod_compress.tools.testing import CaseFailed, find_cases, run_cases
 
 pytestmark = pytest.mark.mpi
 
@@ -68,7 +68,7 @@ def test_a_failing_or_hanging_case_fails_alone(tmp_path):
 
 INNER_TEST = textwrap.dedent('''
     import pytest
-    from horovod_compress.testing import run_cases
+    from horovod_compress.tools.testing import run_cases
 
     CASES = {cases!r}
 
@@ -93,7 +93,7 @@ def _inner_pytest(tmp_path, read_failure: bool):
     cases.write_text(MODULE)
     (tmp_path / "test_inner.py").write_text(INNER_TEST.format(cases=str(cases), read_failure=read_failure))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "-p", "horovod_compress.testing_plugin", "--rootdir", str(tmp_path),
+                           "-p", "horovod_compress.tools.testing_plugin", "--rootdir", str(tmp_path),
                            str(tmp_path / "test_inner.py")],
                           cwd=tmp_path, capture_output=True, text=True, timeout=240)
     return proc.returncode, proc.stdout + proc.stderr
@@ -134,7 +134,7 @@ def test_an_import_error_fails_every_case_once(tmp_path):
 
 
 def test_mpi_env_drops_a_running_jobs_variables_and_keeps_user_settings(monkeypatch):
-    from horovod_compress.testing import mpi_env
+    from horovod_compress.tools.testing import mpi_env
     monkeypatch.setenv("PMIX_NAMESPACE", "singleton")
     monkeypatch.setenv("OMPI_MCA_ess", "singleton")
     monkeypatch.setenv("OMPI_MCA_orte_ess_num_procs", "1")
@@ -153,7 +153,7 @@ def test_a_process_that_made_a_one_rank_communicator_still_launches_mpirun():
     import sys
     launcher = textwrap.dedent(r"""
         import re, subprocess, sys
-        from horovod_compress.testing import mpi_env, mpirun_command
+        from horovod_compress.tools.testing import mpi_env, mpirun_command
         cmd = mpirun_command(2) + [sys.executable, "-c",
                                    "import sys; from mpi4py import MPI; "
                                    "sys.stdout.write(f'<{MPI.COMM_WORLD.Get_size()}>')"]
@@ -172,7 +172,7 @@ def test_a_process_that_made_a_one_rank_communicator_still_launches_mpirun():
         sys.stdout.write(proc.stdout)
         sys.stderr.write(proc.stderr)
     """)
-    from horovod_compress.testing import mpi_env
+    from horovod_compress.tools.testing import mpi_env
     proc = subprocess.run([sys.executable, "-c", script], env=mpi_env(), capture_output=True,
                           text=True, timeout=110)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -184,8 +184,8 @@ def test_a_broken_horovod_fails_unless_setup_skipped_it(monkeypatch, tmp_path):
     it skipped building Horovod (its marker in the environment's prefix, or HVDC_SKIP_HOROVOD=1)."""
     import sys
 
-    from horovod_compress.testing import HOROVOD_SKIPPED_MARKER, horovod_build_skipped
-    from horovod_compress.testing_plugin import import_horovod
+    from horovod_compress.tools.testing import HOROVOD_SKIPPED_MARKER, horovod_build_skipped
+    from horovod_compress.tools.testing_plugin import import_horovod
     monkeypatch.delenv("HVDC_SKIP_HOROVOD", raising=False)
     monkeypatch.setattr(sys, "prefix", str(tmp_path))          # an environment without the marker
     monkeypatch.setitem(sys.modules, "horovod.broken_plugin", None)   # import raises ImportError

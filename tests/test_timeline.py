@@ -24,7 +24,7 @@ import horovod_compress as hvdc
 from horovod_compress.mpi_collectives import timeline
 from horovod_compress.mpi_collectives.accounting import allreduce_volume
 from horovod_compress.mpi_collectives import timeline_file
-from horovod_compress.testing import mpi_env, mpirun_command, run_cases
+from horovod_compress.tools.testing import mpi_env, mpirun_command, run_cases
 
 pytestmark = pytest.mark.mpi
 
@@ -237,8 +237,8 @@ def test_horovod_timeline_from_a_horovod_script(tmp_path):
 
 def test_gantt_chart_and_table_of_a_trace(tmp_path):
     """``hvdc timeline plot|summary`` on a two-rank trace made by the recorder itself."""
-    from horovod_compress.bench import timeline_view
-    from horovod_compress.cli import main
+    from horovod_compress.tools.bench import timeline_view
+    from horovod_compress.tools.cli import main
     events = []
     for rank in range(2):
         rec = timeline.Recorder()
@@ -269,7 +269,7 @@ def test_horovod_timeline_beside_horovods_own(tmp_path):
     """Horovod itself with one of our methods: Horovod writes its timeline to HOROVOD_TIMELINE,
     ours (every rank's exchange) goes beside it as <stem>.hvdc.json."""
     pytest.importorskip("horovod.torch")
-    from horovod_compress.testing import horovodrun_command
+    from horovod_compress.tools.testing import horovodrun_command
     for name in ("_report.py", "pytorch_synthetic_benchmark.py"):
         (tmp_path / name).write_text((Path(__file__).parent / "horovod_examples" / name).read_text())
     env = mpi_env({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",

@@ -93,7 +93,7 @@ pytestmark = pytest.mark.mpi
 
 @pytest.fixture(scope="module")
 def world():
-    from horovod_compress.testing import run_cases
+    from horovod_compress.tools.testing import run_cases
     return run_cases(2, CASES, ALL, timeout=600)
 
 

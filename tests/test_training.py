@@ -1,14 +1,14 @@
 """Convergence on real data: each foundation method within 2 points of dense, 4 ranks.
 
 One mpirun launch of ``case_train_all`` trains the digits MLP (scikit-learn's
-digits, through ``horovod_compress.bench.digits.train_digits``) densely and
+digits, through ``horovod_compress.tools.bench.digits.train_digits``) densely and
 with fp16, bf16, Top-k (density 1 %) and unbiased Rand-K (density 25 %).
 """
 import pytest
 
 import horovod_compress as hvdc
-from horovod_compress.bench.digits import train_digits
-from horovod_compress.testing import run_cases
+from horovod_compress.tools.bench.digits import train_digits
+from horovod_compress.tools.testing import run_cases
 
 EPOCHS = 40
 # The settings the suite checks; each within 2 points of dense test accuracy.

@@ -25,7 +25,7 @@ import tensorflow as tf  # noqa: E402
 
 import horovod_compress as hvdc  # noqa: E402
 import horovod_compress.tensorflow as hvdc_tf  # noqa: E402
-from horovod_compress.testing import CheckRecorder, same_on_all_ranks  # noqa: E402
+from horovod_compress.tools.testing import CheckRecorder, same_on_all_ranks  # noqa: E402
 
 hvd.init()
 hvdc_tf.init()

@@ -28,7 +28,7 @@ import torch  # noqa: E402
 import horovod_compress as hvdc  # noqa: E402
 import horovod_compress.torch as hvdc_torch  # noqa: E402
 from horovod_compress.mpi_collectives import Communicator  # noqa: E402
-from horovod_compress.testing import CheckRecorder, same_on_all_ranks  # noqa: E402
+from horovod_compress.tools.testing import CheckRecorder, same_on_all_ranks  # noqa: E402
 
 hvd.init()
 hvdc_torch.init()
