@@ -18,40 +18,23 @@ volume of, e.g., Ok-Topk's split-and-reduce separately from its allgatherv.
 from __future__ import annotations
 
 import contextlib
-import functools
 import pickle
 from typing import Any, Callable, Iterator, Sequence, Union
 
 import numpy as np
 from mpi4py import MPI
-from mpi4py.util import dtlib
 
 from ..kernels.arrays import is_gpu_array, to_device_like, to_host
 from .accounting import FusingAccounting, OpStats, PendingRequest, reduce_scatter_volume
+from .datatypes import NAMED_OPS as _NAMED_OPS
+from .datatypes import mpi_datatype  # noqa: F401 - also this module's name for it
 
 OpLike = Union[str, MPI.Op]
-
-_NAMED_OPS = {"sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN, "prod": MPI.PROD,
-              "avg": MPI.SUM, "average": MPI.SUM}
-
 
 def _contiguous(array: np.ndarray) -> np.ndarray:
     """C-contiguous view or copy that keeps the shape (0-d arrays stay 0-d)."""
     arr = np.asarray(array)
     return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr).reshape(arr.shape)
-
-
-@functools.cache
-def mpi_datatype(dtype: np.dtype) -> MPI.Datatype:
-    """The MPI datatype of a native-byte-order NumPy ``dtype`` (``mpi4py.util.dtlib``).
-
-    ``dtlib.from_numpy_dtype`` returns a fresh duplicate handle (~0.8 us, to be
-    freed by the caller); cached, each dtype gets one handle for the process and
-    the lookup costs about what the private ``MPI._typedict[dtype.char]`` did
-    (docs/architecture.md).
-    A non-native byte order raises ``ValueError`` instead of sending wrong bytes.
-    """
-    return dtlib.from_numpy_dtype(dtype)
 
 
 @contextlib.contextmanager

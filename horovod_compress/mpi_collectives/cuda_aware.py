@@ -126,7 +126,7 @@ class DeviceCollectives:
         if route == "staged":
             self.staged += 1
             return to_device_like(self.comm.allreduce(to_host(x), op), x)
-        from .communicator import _NAMED_OPS
+        from .datatypes import NAMED_OPS as _NAMED_OPS   # mpi4py: MPI runs by now
         if isinstance(op, str) and op not in _NAMED_OPS:
             raise ValueError(f"op must be one of {sorted(_NAMED_OPS)} or an MPI.Op, got {op!r}")
         if op in ("avg", "average") and np.dtype(x.dtype).kind != "f":
@@ -171,7 +171,7 @@ class DeviceCollectives:
             out, counts = self.comm.allgatherv(to_host(x))
             return to_device_like(out, x), counts
         self.direct += 1
-        from .communicator import mpi_datatype
+        from .datatypes import mpi_datatype
         p, rank = self.comm.size, self.comm.rank
         counts = self.comm.allgather(np.array([x.size], dtype=np.int64)).reshape(-1)
         displs = np.zeros(p, dtype=np.int64)

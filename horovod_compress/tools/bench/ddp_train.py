@@ -8,12 +8,9 @@ demo and writes ``results.json`` and ``accuracy_vs_bytes.png``.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import socket
-import subprocess
 import sys
-from typing import Any
 
 _TORCHRUN_ENV = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 
@@ -56,40 +53,4 @@ def child_argv(argv: list[str]) -> list[str]:
     return out
 
 
-def run_torchrun(args: argparse.Namespace, methods: list[str], params: dict[str, Any]) -> int:
-    """``hvdc train --launcher torchrun``: relaunch under torchrun, or (a rank) train each method."""
-    if not under_torchrun():
-        cmd = torchrun_command(args.np, child_argv(sys.argv[1:]))
-        env = dict(os.environ)
-        env.setdefault("OMP_NUM_THREADS", "1")
-        print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
-        return subprocess.call(cmd, env=env)
-    import torch
-    import torch.distributed as dist
-
-    from .ddp_digits import train_ddp_digits
-    from .train import demo_method, print_result, write_results
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    results = []
-    try:
-        for name in methods:
-            method = demo_method(name, methods, params)
-            res = train_ddp_digits(method, epochs=args.epochs, batch_size=args.batch_size,
-                                   lr=args.lr, seed=args.seed, progress=True, label=name,
-                                   bucket_cap_mb=args.bucket_mb)
-            results.append(res)
-            if rank == 0:
-                print_result(name, res)
-        if rank == 0:
-            write_results(results, args.out)
-        # the others wait while rank 0 writes: gloo can abort a rank whose peers already left
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    return 0
-
-
-__all__ = ["child_argv", "run_torchrun", "torchrun_command", "under_torchrun"]
+__all__ = ["child_argv", "torchrun_command", "under_torchrun"]

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ...cost_model import PROBE_OF, RING, OpCount, StepProfile, break_even_bandwidth, fit_link, predict
-from .e2e_calls import GAP_SUFFIX, PROBE_REPEATS, REST_SUFFIX
+from .e2e_calls import GAP_SUFFIX, PROBE_REPEATS, REST_SUFFIX, split_specs
 
 #: The line rank 0 of :mod:`.e2e_worker` prints once every rank is in MPI.
 STARTED_LINE = "HVDC-STARTED"
@@ -51,7 +51,7 @@ SHM = "shm"
 MODEL_CHECK = ("100mbit", "1gbit")   # where the model must be within 25%
 TOLERANCE = 0.25
 #: The emulated cluster's MPI runs allreduce by recursive doubling below 64 KiB and by the ring
-#: from 64 KiB on (:data:`horovod_compress.tools.cluster.launch.ALLREDUCE_RULES`): the model counts those rounds.
+#: from 64 KiB on (:data:`horovod_compress.tools.cluster.launch_files.ALLREDUCE_RULES`): the model counts those rounds.
 RING_FROM = 65536
 #: The probes in the link table, in order (a run that lacks one shows '-').
 LINK_COLUMNS = ("p2p", "p2p_oneway", "ring", "allreduce", "allgatherv", "allgather", "alltoallv", "broadcast")
@@ -112,21 +112,6 @@ def method_list(spec: str) -> list[str]:
     if not any(i.partition(":")[0] == "none" for i in items):
         items.insert(0, "none")                             # the baseline of every ratio
     return items
-
-
-def split_specs(spec: str) -> list[str]:
-    """Comma-separated items, stripped, empty ones dropped; commas inside ``{...}`` parameters do not split."""
-    out, depth, cur = [], 0, ""
-    for ch in spec:
-        depth += ch == "{"
-        depth -= ch == "}"
-        if ch == "," and depth == 0:
-            out.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    out.append(cur)
-    return [item.strip() for item in out if item.strip()]
 
 
 def _worker_command(p: int, methods: list[str], args: argparse.Namespace, json_path: str,

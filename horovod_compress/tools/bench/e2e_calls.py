@@ -131,6 +131,21 @@ class RingTransport:
 RECORD_STEPS = 4
 
 
+def split_specs(spec: str) -> list[str]:
+    """Comma-separated items, stripped, empty ones dropped; commas inside ``{...}`` parameters do not split."""
+    out, depth, cur = [], 0, ""
+    for ch in spec:
+        depth += ch == "{"
+        depth -= ch == "}"
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    out.append(cur)
+    return [item.strip() for item in out if item.strip()]
+
+
 def call_sizes(methods: list[str], model_name: str, comm: Any,
                steps: int = RECORD_STEPS) -> dict[str, dict[str, list[float]]]:
     """``{label: {op: [max(sent, received) of each call], op + GAP_SUFFIX: [CPU s before each call],
@@ -282,7 +297,6 @@ def main(argv: list[str] | None = None) -> None:
     import torch
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from ...mpi_collectives import Communicator
-    from .e2e import split_specs
     comm = Communicator()
     result = call_sizes(split_specs(args.methods), args.model, comm)
     if comm.rank == 0:

@@ -16,9 +16,13 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+from .ddp_train import child_argv, torchrun_command, under_torchrun
 from .launch import relaunch, under_mpi_launcher
 from .report_files import save_figure
 
@@ -86,10 +90,8 @@ def run(args: argparse.Namespace) -> int:
     if args.launcher == "torchrun":
         if args.framework != "torch":
             raise SystemExit("--launcher torchrun trains with PyTorch DDP (--framework torch)")
-        from .ddp_train import run_torchrun
         return run_torchrun(args, methods, params)
     if args.np > 1 and not under_mpi_launcher():
-        import sys
         return relaunch(args.np, "horovod_compress.tools.cli", sys.argv[1:])
     from ...mpi_collectives import Communicator
     comm = Communicator()
@@ -97,7 +99,6 @@ def run(args: argparse.Namespace) -> int:
         return _train_all(args, methods, params, comm)
     except BaseException as exc:  # one rank failing must not leave the others hanging
         if comm.size > 1:
-            import sys
             import traceback
             traceback.print_exc()
             print(f"[rank {comm.rank}] {type(exc).__name__}: aborting all ranks", file=sys.stderr, flush=True)
@@ -135,6 +136,42 @@ def write_results(results: list[dict[str, Any]], folder: str) -> None:
     print(format_table(results))
     png = plot_accuracy_vs_bytes(results, out / "accuracy_vs_bytes.png")
     print(f"\nwrote {out / 'results.json'} and {png}")
+
+
+def run_torchrun(args: argparse.Namespace, methods: list[str], params: dict[str, Any]) -> int:
+    """``hvdc train --launcher torchrun``: relaunch under torchrun, or (a rank) train each method
+    (:mod:`.ddp_train`)."""
+    if not under_torchrun():
+        cmd = torchrun_command(args.np, child_argv(sys.argv[1:]))
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+        return subprocess.call(cmd, env=env)
+    import torch
+    import torch.distributed as dist
+
+    from .ddp_digits import train_ddp_digits   # imports torch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results = []
+    try:
+        for name in methods:
+            method = demo_method(name, methods, params)
+            res = train_ddp_digits(method, epochs=args.epochs, batch_size=args.batch_size,
+                                   lr=args.lr, seed=args.seed, progress=True, label=name,
+                                   bucket_cap_mb=args.bucket_mb)
+            results.append(res)
+            if rank == 0:
+                print_result(name, res)
+        if rank == 0:
+            write_results(results, args.out)
+        # the others wait while rank 0 writes: gloo can abort a rank whose peers already left
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
 
 
 def _train_all(args: argparse.Namespace, methods: list[str], params: dict[str, Any], comm: Any) -> int:

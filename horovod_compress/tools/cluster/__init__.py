@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
+from dataclasses import replace
 from types import FrameType
 from typing import Any
 
 from .launch import cluster_env, describe, in_host, threads_per_rank
+from .netns import _shape, _write_state
 from .netns import (ClusterError, ClusterSpec, ClusterUnavailable, down, load_spec, namespaces_of,
                     parse_rate, preflight, up)
 
@@ -64,13 +65,10 @@ class EmulatedCluster:
 
     def reshape(self, bandwidth: str) -> None:
         """Change every link's rate in place (same hosts, same addresses)."""
-        from dataclasses import replace
         self.spec = replace(self.spec, bandwidth=bandwidth)
-        from .netns import _shape
         for i in range(self.spec.hosts):
             _shape(self.spec.host(i), "eth0", self.spec)
             _shape(self.spec.switch, f"p{i}", self.spec)
-        from .netns import _write_state
         _write_state(self.spec)
 
     def run(self, command: list[str], ranks: int | None = None, env: dict[str, str] | None = None,
@@ -78,7 +76,3 @@ class EmulatedCluster:
         """Run ``command`` inside host 0 with the cluster's MPI environment."""
         return run_in_cluster(self.spec, command, ranks, env, timeout, capture)
 
-
-if __name__ == "__main__":  # pragma: no cover - `python -m horovod_compress.tools.cluster` = `hvdc cluster`
-    from ..bench.cluster import main
-    sys.exit(main())

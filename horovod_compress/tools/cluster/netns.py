@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ...units import parse_duration, parse_rate
+from .launch_files import write_launch_files
 
 STATE_ROOT = Path(os.environ.get("HVDC_CLUSTER_STATE", "/run/hvdc-cluster"))
 
@@ -258,7 +259,6 @@ def _wait_reachable(spec: ClusterSpec, timeout: float = 10.0) -> None:
 
 
 def _write_state(spec: ClusterSpec) -> None:
-    from .launch import write_launch_files
     d = state_dir(spec.name)
     d.mkdir(parents=True, exist_ok=True)
     write_launch_files(spec, d)
