@@ -75,6 +75,9 @@ import numpy as np
 
 from .compressors.horovod_protocol import register_horovod_protocol
 from .horovod_api.method_limits import HorovodAdapterError, is_stateless  # noqa: F401 - re-exported
+from .kernels.arrays import to_host
+from .runtime.buckets import DEFAULT_BUCKET_BYTES, TensorSpec
+from .runtime.engine import GradientExchange
 
 _LINEARITY_RTOL = 1e-6
 
@@ -297,8 +300,6 @@ class _TorchOptimizerExchange:
     """One GradientExchange over a Horovod torch optimizer's parameters (our optimizer's plan)."""
 
     def __init__(self, method: Any, comm: Any, optimizer: Any) -> None:
-        from .runtime.buckets import DEFAULT_BUCKET_BYTES, TensorSpec
-        from .runtime.engine import GradientExchange
         from .torch.tensors import numpy_dtype_name
         names = optimizer._parameter_names
         params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
@@ -419,7 +420,6 @@ def _compress_torch(method: Any, tensor: Any) -> tuple[Any, Any]:
 def _decompress_torch(method: Any, tensor: Any, ctx: _Ctx) -> Any:
     import torch
 
-    from .kernels.arrays import to_host
     out = tensor.detach().to("cpu", torch.float64).numpy()
     if not np.isclose(out[0], ctx.world * out[1], rtol=_LINEARITY_RTOL, atol=0.0):
         raise _nonlinear_error(method, out, ctx.world)

@@ -40,6 +40,7 @@ import numpy as np
 from .bitio import pack_permutation, unpack_permutation
 from .registry import IndexCodec, ValueCodec, index_codec_class, value_codec_class
 from .wire import ByteReader, ByteWriter, ContainerError
+from .value_raw import RawValues
 
 MAGIC = b"DRDC"
 VERSION = 1
@@ -134,7 +135,6 @@ def encode(support: np.ndarray, source: np.ndarray, shape: Sequence[int],
     else:
         values = src[enc.sources]
     if not value_codec.lossless and _lossy_unsafe(values):
-        from .value_raw import RawValues
         value_codec = RawValues()
     vpayload, order = value_codec.encode(values, seed)
     slots = enc.slots

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
+from .wire import ContainerError
 
 
 
@@ -47,7 +48,6 @@ class _Codecs:
         for cls in self.classes.values():
             if cls.codec_id == codec_id:
                 return cls
-        from .wire import ContainerError
         raise ContainerError(f"container: unknown {self.kind} codec id {codec_id}; known: "
                              f"{ {c.codec_id: c.name for c in self.classes.values()} }")
 

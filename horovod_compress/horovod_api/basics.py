@@ -25,6 +25,7 @@ import numpy as np
 from ..mpi_collectives import timeline_file
 from ..runtime.ops import Average, Sum
 from .method_limits import HorovodAdapterError, is_stateless
+from ..mpi_collectives.cuda_aware import cuda_aware_mpi
 
 Adasum = "adasum"
 Min = "min"
@@ -236,7 +237,6 @@ def ccl_built() -> bool:
 def cuda_built() -> bool:
     """Whether GPU buffers go through MPI without staging (CUDA-aware MPI)."""
     try:
-        from ..mpi_collectives.cuda_aware import cuda_aware_mpi
         return bool(cuda_aware_mpi())
     except Exception:  # noqa: BLE001
         return False

@@ -31,6 +31,7 @@ from ..tensorflow.horovod_api import (  # noqa: F401 - Horovod's names
     size,
 )
 from . import optimizer as _opt
+from ..runtime.buckets import DEFAULT_BUCKET_BYTES
 
 
 def _numpy(value: Any) -> np.ndarray:
@@ -88,7 +89,6 @@ def DistributedOptimizer(optimizer: Any, name: str | None = None, device_dense: 
     change results; ``IndexedSlices`` are reduced densely whatever
     ``sparse_as_dense`` says.
     """
-    from ..runtime.buckets import DEFAULT_BUCKET_BYTES
     kind = _op_kind(op)
     if gradient_predivide_factor != 1.0 and kind != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")

@@ -33,6 +33,7 @@ from ..runtime.buckets import DEFAULT_BUCKET_BYTES
 from ..runtime.scaling import check_backward_passes
 from ..tensorflow.reducer import Average, GradientReducer
 from .checkpoint import CompressionState
+from ..compressors.registry import create
 
 
 class _HvdcKerasState:
@@ -143,7 +144,6 @@ def DistributedOptimizer(optimizer: keras.optimizers.Optimizer, compression: Met
     Inside ``model.fit`` the exchange runs through ``tf.numpy_function``:
     compile with ``jit_compile=False`` where XLA would otherwise be used (GPU).
     """
-    from ..compressors.registry import create
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise ValueError(f"optimizer must be a Keras 3 optimizer, got {type(optimizer).__name__}")
     if getattr(optimizer, "built", False):

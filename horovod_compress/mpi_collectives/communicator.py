@@ -28,6 +28,8 @@ from ..kernels.arrays import is_gpu_array, to_device_like, to_host
 from .accounting import FusingAccounting, OpStats, PendingRequest, reduce_scatter_volume
 from .datatypes import NAMED_OPS as _NAMED_OPS
 from .datatypes import mpi_datatype  # noqa: F401 - also this module's name for it
+from .cuda_aware import DeviceCollectives
+from .reduce_ops import allreduce_reduce_once, check_custom, mpi_custom_op
 
 OpLike = Union[str, MPI.Op]
 
@@ -99,7 +101,6 @@ class Communicator(FusingAccounting):
     def device(self) -> Any:
         """The :class:`~.cuda_aware.DeviceCollectives` GPU arrays go through (created on first use)."""
         if self._device is None:
-            from .cuda_aware import DeviceCollectives  # noqa: PLC0415 - cycle: it wraps this class
             self._device = DeviceCollectives(self)
         return self._device
 
@@ -378,7 +379,6 @@ class Communicator(FusingAccounting):
         :func:`~.reduce_ops.allreduce_reduce_once`). Counted as one allreduce
         of ``buf.nbytes`` (2N(P-1)/P each way). Returns a new array of ``buf``'s dtype.
         """
-        from .reduce_ops import allreduce_reduce_once, check_custom, mpi_custom_op
         _fn, item, once = check_custom(op)
         send = _contiguous(buf).reshape(-1)
         if once:
@@ -425,7 +425,6 @@ class Communicator(FusingAccounting):
         block j reduced with the custom operator (``MPI_Reduce_scatter_block``;
         every element is reduced on one rank). Counts ``N(P-1)/P`` bytes each way.
         """
-        from .reduce_ops import check_custom, mpi_custom_op
         _fn, item, _once = check_custom(op)
         send = _contiguous(buf).reshape(-1)
         words = send.view(np.uint8).size // item

@@ -39,6 +39,7 @@ import numpy as np
 from ..kernels.exp_reduce import exp_reduce4_into, exp_reduce8_into
 from ..kernels.quantize import nibble_add_into
 from .accounting import allreduce_volume
+from ..kernels.halfprec import add16_into
 
 
 class _Stream:
@@ -416,7 +417,6 @@ def _ring(comm: Any, nbytes: int, counts: np.ndarray, segment_bytes: int, slice_
 
 def _add16(kind: str) -> Any:
     def add(inbuf: Any, inoutbuf: Any, datatype: Any = None) -> None:
-        from ..kernels.halfprec import add16_into
         add16_into(np.frombuffer(inbuf, dtype=np.uint16), np.frombuffer(inoutbuf, dtype=np.uint16),
                    kind)
     return add

@@ -53,6 +53,7 @@ import numpy as np
 
 from .accounting import allreduce_volume
 from .reduce_ops import all_ranks_on_one_node, block_counts
+from . import is_mpi_communicator
 
 #: Environment variable: ``auto`` (default) -- the window when all ranks share one node and
 #: each has a core of its own; ``on`` -- whenever all ranks share one node; ``off`` -- never.
@@ -82,7 +83,6 @@ def use_shared_window(comm: Any) -> bool:
     which overlaps its waits with work, was faster (4 ranks on 2 cores, fp16,
     2000 x 2000: 33 ms against the ring's 23 ms).
     """
-    from . import is_mpi_communicator
     if comm.size < 2 or not is_mpi_communicator(comm):
         return False
     policy = shared_window_policy()

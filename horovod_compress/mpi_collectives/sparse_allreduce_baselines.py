@@ -36,6 +36,7 @@ from .coo_messages import (
     make_entries,
     split,
 )
+from ..kernels.scatter import scatter_sum
 
 TAG_GTOPK = 7311
 
@@ -47,7 +48,6 @@ def _dense_sum(n: int, indices: np.ndarray, values: np.ndarray, dtype: np.dtype,
     A compiled scatter-add in ``dtype`` (:func:`~horovod_compress.kernels.scatter.scatter_sum`:
     no float64 ``bincount`` temporary; ``scale`` exact per value for 1/2^m).
     """
-    from ..kernels.scatter import scatter_sum
     return scatter_sum(n, indices, np.asarray(values, dtype=dtype), dtype, scale=scale)
 
 

@@ -59,7 +59,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ..kernels.arrays import is_gpu_array
+from ..kernels.arrays import is_gpu_array, to_device_like, to_host
 from .accounting import FusingAccounting, OpStats, PendingRequest, reduce_scatter_volume
 from .reduce_ops import block_counts, check_custom, local_reduce
 from .world import FrontEndWorld
@@ -339,7 +339,6 @@ class TorchCommunicator(FusingAccounting):
         length exchange and the unpadded parts.
         """
         if is_gpu_array(array):
-            from ..kernels.arrays import to_device_like, to_host
             host, counts = self.allgatherv(to_host(array))
             return to_device_like(host, array), counts
         send = np.ascontiguousarray(array).reshape(-1)
@@ -418,7 +417,6 @@ class TorchCommunicator(FusingAccounting):
         if len(chunks) != self.size:
             raise ValueError(f"alltoallv needs {self.size} chunks, got {len(chunks)}")
         if any(is_gpu_array(c) for c in chunks):
-            from ..kernels.arrays import to_device_like, to_host
             got = self.alltoallv([to_host(c) for c in chunks])
             return [to_device_like(g, chunks[0]) for g in got]
         dtype = np.result_type(*[np.asarray(c).dtype for c in chunks])
@@ -587,7 +585,6 @@ class TorchCommunicator(FusingAccounting):
     # (tag 2t+1, omitted when empty); only the payload is counted.
     def isend(self, array: Any, dest: int, tag: int = 0) -> TorchRequest:
         """Non-blocking send of an array (any length) to ``dest``."""
-        from ..kernels.arrays import to_host
         send = np.ascontiguousarray(to_host(array))
         payload = _bytes_of(send).copy() if not send.flags.writeable else _bytes_of(send)
         if dest == self.rank:

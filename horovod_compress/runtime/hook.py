@@ -53,6 +53,7 @@ from .hook_buckets import FLAT_PREFIX, HookBuckets, flat_key
 from .per_tensor import PerTensorReducer
 from .session import StepSettings
 from .stats import ExchangeStats, record_error, ring_allreduce_bytes, skipped_count
+from ..compressors.registry import create
 
 STATE_VERSION = 1
 
@@ -271,7 +272,6 @@ class HookExchange:
     def _begin(self) -> None:
         """An iteration's first bucket: pick the method (warm-up switch), note skips, plan a probe."""
         if self.settings.dense and self._dense_method is None:
-            from ..compressors.registry import create
             self._dense_method = create("none")
         self._active = self._dense_method if self.settings.dense else self.method
         self._skipped_at_begin = self._skipped_count()

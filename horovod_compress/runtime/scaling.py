@@ -19,12 +19,10 @@ the front-end; which dtypes it accepts is the front-end's rule.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ..compressors.base import Method
 from .ops import Average, Sum, op_name
-
-if TYPE_CHECKING:
-    from ..compressors.base import Method
 
 #: The dtypes the core reduces as they are; every other one is widened to float32.
 NATIVE_DTYPES = ("float16", "float32", "float64")
@@ -47,7 +45,6 @@ def check_method(method: Any, what: str = "compression",
     Optimizers and reducers raise ``ValueError`` (a bad argument value), the
     DDP comm hook ``TypeError`` (as it always has).
     """
-    from ..compressors.base import Method   # the compressors import the runtime
     if not isinstance(method, Method):
         raise error(f"{what} must be a hvdc.Compression.<method>(...) object, "
                     f"got {type(method).__name__}")

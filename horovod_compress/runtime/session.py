@@ -33,6 +33,7 @@ from .buckets import DEFAULT_BUCKET_BYTES, TensorSpec
 from .engine import GradientExchange
 from .scaling import Scaling
 from .stats import ExchangeStats, dense_ring_bytes, record_error, skipped_count
+from ..compressors.registry import create
 
 
 @dataclass
@@ -150,7 +151,6 @@ class TrainingExchange:
     def dense_exchange(self) -> GradientExchange:
         """An uncompressed exchange of the same tensors (warm-up), built on first use."""
         if self._dense is None:
-            from ..compressors.registry import create
             self._dense = self._build(create("none"))
         return self._dense
 

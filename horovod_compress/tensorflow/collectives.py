@@ -11,6 +11,7 @@ from . import world
 from .bridge import numpy_call
 from .reducer import Average, Sum, op_name
 from .tensors import check_float_dtype, to_wire, wire_dtype
+from ..compressors.registry import create
 
 
 def allreduce(tensor: Any, name: str | None = None, compression: Method | None = None,
@@ -21,7 +22,6 @@ def allreduce(tensor: Any, name: str | None = None, compression: Method | None =
     allreduce on the tensor under ``name`` (its state key; default derived from
     the shape). ``tf.IndexedSlices`` are densified.
     """
-    from ..compressors.registry import create
     method = compression if compression is not None else create("none")
     comm = comm if comm is not None else world.communicator()
     kind = op_name(op)

@@ -27,6 +27,7 @@ from ..horovod_api.basics import (  # noqa: F401 - Horovod's names
 )
 from ..horovod_api.common import *  # noqa: F403 - Horovod's names every front-end shares
 from .bridge import numpy_call
+from ..runtime.buckets import DEFAULT_BUCKET_BYTES
 
 _FW = "tensorflow"
 _CALLS = hb.FrontEndCalls(_FW)
@@ -310,7 +311,6 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
     ranks. See :func:`horovod_compress.tensorflow.tape.DistributedGradientTape`
     for ``bucket_bytes``, ``overlap``, ``comm``, ``names`` and ``kernel_layout``.
     """
-    from ..runtime.buckets import DEFAULT_BUCKET_BYTES
     from . import tape as _tape
     kind = hb.op_kind(op)
     if gradient_predivide_factor != 1.0 and kind != Average:

@@ -28,6 +28,7 @@ from ..runtime.buckets import DEFAULT_BUCKET_BYTES
 from ..runtime.scaling import check_method
 from . import world
 from .reducer import Average, GradientReducer
+from ..compressors.registry import create
 
 _REDUCERS: "weakref.WeakKeyDictionary[Method, dict[tuple, GradientReducer]]" = \
     weakref.WeakKeyDictionary()
@@ -135,7 +136,6 @@ def DistributedGradientTape(gradtape: tf.GradientTape, compression: Method | Non
     ``sparse_as_dense`` must be true: every method works on dense vectors,
     so ``tf.IndexedSlices`` gradients are densified.
     """
-    from ..compressors.registry import create
     if not isinstance(gradtape, tf.GradientTape):
         raise ValueError(f"gradtape must be a tf.GradientTape, got {type(gradtape).__name__}")
     if not sparse_as_dense:

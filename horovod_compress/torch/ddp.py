@@ -96,6 +96,7 @@ from ..mpi_collectives.timeline_file import ensure_env_timeline, stop_timeline, 
 from ..runtime.scaling import check_method
 from .optimizer import from_safe_state, to_safe_state
 from .tensors import tensor_slot
+from ..mpi_collectives.torch_dist import TorchCommunicator, default_communicator, release_default_communicator
 
 
 class _DDPBucket:
@@ -163,9 +164,7 @@ class HookState:
 
     def _make_comm(self) -> Any:
         if self._process_group is not None:
-            from ..mpi_collectives.torch_dist import TorchCommunicator
             return TorchCommunicator(self._process_group)
-        from ..mpi_collectives.torch_dist import default_communicator
         return default_communicator()
 
     def set_model(self, model: Any) -> None:
@@ -209,7 +208,6 @@ class HookState:
         passed as ``comm`` is the caller's to close. The hook cannot reduce
         buckets afterwards.
         """
-        from ..mpi_collectives.torch_dist import release_default_communicator
         if timeline_running(self._comm):
             stop_timeline()                   # its merge needs the communicator: write it first
         if self._owns_comm:

@@ -31,6 +31,7 @@ from ..horovod_api.method_limits import HorovodAdapterError
 from . import broadcast as _bcast
 from . import optimizer as _opt
 from .tensors import to_numpy
+from ..runtime.buckets import DEFAULT_BUCKET_BYTES
 
 _FW = "torch"
 _CALLS = hb.FrontEndCalls(_FW)
@@ -344,7 +345,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     Horovod). See :func:`horovod_compress.torch.optimizer.DistributedOptimizer`
     for ``bucket_bytes``, ``overlap`` and ``comm``.
     """
-    from ..runtime.buckets import DEFAULT_BUCKET_BYTES
     kind = hb.op_kind(op)
     if gradient_predivide_factor != 1.0 and kind != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")

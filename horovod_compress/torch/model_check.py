@@ -19,6 +19,7 @@ import torch
 
 from ..runtime.buckets import TensorSpec
 from ..mpi_collectives.consistency import check_same_tensors
+from ..mpi_collectives.torch_dist import TorchCommunicator
 
 
 def model_specs(module: torch.nn.Module) -> list[TensorSpec]:
@@ -39,7 +40,6 @@ def check_same_model(module: torch.nn.Module, comm: Any = None) -> None:
     16-byte allgather when the models agree.
     """
     if comm is None:
-        from ..mpi_collectives.torch_dist import TorchCommunicator
         comm = TorchCommunicator()
     check_same_tensors(comm, model_specs(module))
 

@@ -42,6 +42,7 @@ from ..runtime.scaling import Scaling, check_backward_passes, check_method, work
 from ..runtime.session import TrainingExchange
 from . import world
 from .tensors import copy_into, to_array
+from ..compressors.registry import create
 
 
 _ARRAY_KEY = "__hvdc_ndarray__"
@@ -254,7 +255,6 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer,
     flat methods; ``overlap`` reduces buckets during the backward pass;
     ``comm`` defaults to the communicator of :func:`init`.
     """
-    from ..compressors.registry import create
     if compression is None:
         compression = create("none")
     cls = type(optimizer.__class__.__name__, (optimizer.__class__,),
