@@ -24,10 +24,11 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
+import tomllib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import grimp
 import numpy as np
@@ -216,9 +217,37 @@ def _reason(importer: str, target: str, lazy: list[str] = ()) -> str:
     return "none (could move to the top)"
 
 
+def contract_layers() -> list[list[str]]:
+    """The ``layers`` contract's levels, bottom first (``pyproject.toml``), each a list of siblings."""
+    config = tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["importlinter"]
+    layers = next(c for c in config["contracts"] if c["type"] == "layers")["layers"]
+    return [[f"{PACKAGE}.{name.strip()}" for name in level.replace(":", "|").split("|")]
+            for level in reversed(layers)]
+
+
+def level_of(module: str, layers: list[list[str]]) -> int | None:
+    """The level (0 = bottom) of the layer ``module`` belongs to; ``None`` for the package's own
+    ``__init__`` (the facade, above everything)."""
+    for i, level in enumerate(layers):
+        if any(module == top or module.startswith(top + ".") for top in level):
+            return i
+    return None
+
+
+def upward_arrows(graph: grimp.ImportGraph, level: Callable[[str], int | None]) -> list[tuple[str, str]]:
+    """Imports from a lower level to a higher one (the package's facade ``__init__`` left out)."""
+    out = []
+    for a, b in sorted(arrows(graph)):
+        la, lb = level(a), level(b)
+        if la is not None and lb is not None and lb > la:
+            out.append((a, b))
+    return out
+
+
 def summary() -> dict[str, object]:
     """The numbers ``docs/architecture.md`` reports."""
     graph = build_graph()
+    layers = contract_layers()
     edges = arrows(graph)
     boxes = {box(m) for m in graph.modules if m != PACKAGE}
     box_arrows = {(box(a), box(b)) for a, b in edges
@@ -226,6 +255,7 @@ def summary() -> dict[str, object]:
     imports = function_level_imports()
     return {"files": len(graph.modules), "boxes": len(boxes), "box_arrows": len(box_arrows),
             "file_arrows": len(edges), "file_cycles": file_cycles(graph),
+            "upward_arrows": upward_arrows(graph, lambda m: level_of(m, layers)),
             "function_level_imports": len(imports),
             "by_reason": dict(Counter(i.reason for i in imports).most_common())}
 
