@@ -13,18 +13,18 @@ from ..horovod_api.basics import HorovodInternalError
 from ..horovod_api.elastic import HostsUpdatedInterrupt, ObjectState, State, refuse_elastic_launch
 from ..horovod_api.elastic import run_fn as _run_fn
 from .horovod_api import broadcast_object, broadcast_object_fn, broadcast_variables, rank
+from .horovod_api import init as _init
+from .horovod_api import shutdown as _shutdown
 
 
 def init(*args: Any, **kwargs: Any) -> None:
     """Horovod's ``elastic.init``: the ordinary ``init`` on a fixed world (refused in elastic mode)."""
-    from .horovod_api import init as _init
     refuse_elastic_launch()
     _init(*args, **kwargs)
 
 
 def shutdown() -> None:
     """Mark the front-end uninitialised (MPI is finalised by mpi4py at exit)."""
-    from .horovod_api import shutdown as _shutdown
     _shutdown()
 
 

@@ -28,6 +28,8 @@ from ..horovod_api.basics import (  # noqa: F401 - Horovod's names
 from ..horovod_api.common import *  # noqa: F403 - Horovod's names every front-end shares
 from .bridge import numpy_call
 from ..runtime.buckets import DEFAULT_BUCKET_BYTES
+from . import tape as _tape
+from .broadcast import broadcast_variables as _bv
 
 _FW = "tensorflow"
 _CALLS = hb.FrontEndCalls(_FW)
@@ -199,7 +201,6 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None,
 def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
                process_set: Any = global_process_set) -> list:
     """Assign ``root_rank``'s values to ``variables`` in place; returns their new values."""
-    from .broadcast import broadcast_variables as _bv
     variables = list(variables)
     _bv(variables, root_rank=hb.root_in(process_set, root_rank, _FW), comm=_comm(process_set))
     return [v.read_value() if hasattr(v, "read_value") else v.value for v in variables]
@@ -209,7 +210,6 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
                         process_set: Any = global_process_set, inplace: bool = False,
                         comm: Any = None) -> None:
     """``root_rank``'s values into ``variables`` (one fused broadcast; eager or graph)."""
-    from .broadcast import broadcast_variables as _bv
     if comm is None:
         comm = _comm(process_set)
         root_rank = hb.root_in(process_set, root_rank, _FW)
@@ -311,7 +311,6 @@ def DistributedGradientTape(gradtape: tf.GradientTape, device_dense: str = "",
     ranks. See :func:`horovod_compress.tensorflow.tape.DistributedGradientTape`
     for ``bucket_bytes``, ``overlap``, ``comm``, ``names`` and ``kernel_layout``.
     """
-    from . import tape as _tape
     kind = hb.op_kind(op)
     if gradient_predivide_factor != 1.0 and kind != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")

@@ -26,18 +26,19 @@ from ..horovod_api.elastic import (
     refuse_elastic_launch,
 )
 from ..horovod_api.elastic import run_fn as _run_fn
+from .horovod_api import broadcast_object, broadcast_optimizer_state, broadcast_parameters, rank
+from .horovod_api import init as _init
+from .horovod_api import shutdown as _shutdown
 
 
 def init(*args: Any, **kwargs: Any) -> None:
     """Horovod's ``elastic.init``: the ordinary ``init`` on a fixed world."""
-    from .horovod_api import init as _init
     refuse_elastic_launch()
     _init(*args, **kwargs)
 
 
 def shutdown(*args: Any, **kwargs: Any) -> None:
     """Mark the front-end uninitialised (MPI is finalised by mpi4py at exit)."""
-    from .horovod_api import shutdown as _shutdown
     _shutdown()
 
 
@@ -59,7 +60,6 @@ class TorchState(ObjectState):
     """Model, optimizer and attributes synced from rank 0, saved by ``commit()``."""
 
     def __init__(self, model: Any = None, optimizer: Any = None, **kwargs: Any) -> None:
-        from .horovod_api import broadcast_object, rank
         object.__setattr__(self, "_handlers", {})
         self._handlers = {}
         if model is not None:
@@ -87,7 +87,6 @@ class TorchState(ObjectState):
 
     def sync(self) -> None:
         """Give every rank rank 0's state."""
-        from .horovod_api import broadcast_optimizer_state, broadcast_parameters
         if self.model is not None:
             broadcast_parameters(self.model.state_dict(), root_rank=0)
         if self.optimizer is not None:
