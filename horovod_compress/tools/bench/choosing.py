@@ -166,7 +166,7 @@ def outputs(root: Path = ROOT) -> dict[Path, str]:
     conv = json.loads((root / "benchmarks" / "convergence.json").read_text())
     profiles = reference_profiles(e2e)
     costs = advice.accuracy_costs(conv["runs"])
-    ref = root / "horovod_compress" / "bench" / "reference"
+    ref = root / "horovod_compress" / "tools" / "bench" / "reference"
     return {ref / advice.REFERENCE_PROFILES: _dump(profiles),
             ref / advice.REFERENCE_ACCURACY: _dump(advice.accuracy_summary(costs, "benchmarks/convergence.json")),
             root / "docs" / "choosing.md": render_page(profiles["runs"][0], costs)}
