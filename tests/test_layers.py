@@ -64,3 +64,21 @@ def test_an_upward_import_breaks_the_contract(tmp_path: Path, file: str, line: s
     broken = " ".join(proc.stdout[proc.stdout.index("Broken contracts"):].split())
     assert contract in broken, broken
     assert f"horovod_compress.{file[:-3].replace('/', '.')} -> " in broken, broken
+
+
+def test_a_method_reaches_the_horovod_adapter_it_does_not_import() -> None:
+    """``compressors/`` never imports the adapter (it sits above the front-ends); importing any
+    part of the package registers it, so ``Method.compress``/``decompress`` find it, and neither
+    torch nor TensorFlow is imported until a tensor of theirs arrives."""
+    code = ("import sys\n"
+            "from horovod_compress.compressors import Compression\n"
+            "from horovod_compress.compressors.horovod_protocol import horovod_protocol\n"
+            "found = horovod_protocol('compress'), horovod_protocol('decompress')\n"
+            "loaded = sorted({'torch', 'tensorflow'} & set(sys.modules))\n"
+            "import horovod_compress.horovod_compat as adapter\n"
+            "assert found == (adapter.compress, adapter.decompress), found\n"
+            "print('frameworks loaded:', loaded)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "frameworks loaded: []" in proc.stdout, proc.stdout
