@@ -1,7 +1,8 @@
 """The package's import graph in numbers: files, folder boxes, arrows, cycles, function-level imports.
 
 ``python -m horovod_compress.tools.import_graph`` prints what
-``docs/architecture.md`` reports. The layer rule itself is checked by
+``docs/architecture.md`` reports (it needs grimp, which import-linter, a test
+dependency, installs). The layer rule itself is checked by
 import-linter (``lint-imports``, contracts in ``pyproject.toml``); this module
 only counts. The graph is grimp's (the library import-linter is built on):
 one node per file, an arrow per module that imports another, imports inside
