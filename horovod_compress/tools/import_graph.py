@@ -262,6 +262,7 @@ def summary() -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Print :func:`summary` (and, with ``--list``, every function-level import with its reason)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--list", action="store_true", help="list every function-level import")
     args = parser.parse_args(argv)
