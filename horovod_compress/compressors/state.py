@@ -197,7 +197,7 @@ class OkTopkState(TensorState):
 
 
 class SelectedState(TensorState):
-    """DeepReduce ("DeepReduce: A Sparse-tensor Communication Framework for Federated Deep
+    """DeepReduce ("DeepReduce: A Sparse-tensor Communication Framework for Distributed Deep
     Learning", Kostopoulou et al., NeurIPS 2021, Section 3): the last container's size."""
 
     __slots__ = ("container_bytes", "selected")
@@ -223,8 +223,9 @@ class QuantizedState(TensorState):
     dense_fallback_steps: int
     #: Global-QSGD steps whose global norm was zero: only the norm was sent.
     zero_norm_steps: int
-    #: Global-QSGD: entries whose reduced level exceeded the integer lane (saturated at its
-    #: bound) over all steps; 0 while the headroom holds (Section 3, the lane width).
+    #: Global-QSGD: entries whose summed level exceeded its integer lane and was held at the
+    #: lane's bound, over all steps; 0 while the ``headroom`` bits hold (see
+    #: ``compressors.global_qsgd``: the lanes and the reduction tree).
     saturated: int
 
 
