@@ -113,7 +113,7 @@ def _move_state(state: TensorState, xp: Any) -> None:
     Only floating-point arrays (residuals, trackers) follow the gradient;
     integer arrays (selected rows, diagnostics) stay where they are.
     """
-    for owner, attr, value in list(state.arrays()):
+    for owner, attr, value in list(state.present_fields()):
         on_gpu = is_gpu_array(value)
         if (on_gpu or isinstance(value, np.ndarray)) and np.dtype(value.dtype).kind == "f" \
                 and on_gpu != (xp is not np):

@@ -113,7 +113,7 @@ class TensorState(Mapping):
                     f"checkpoint is of another method or feedback scheme")
         return self
 
-    def arrays(self) -> Iterator[tuple[Any, str, Any]]:
+    def present_fields(self) -> Iterator[tuple[Any, str, Any]]:
         """``(owner, attribute, value)`` of every set field, feedback's included (``owner`` is
         this state or its ``feedback``: ``setattr(owner, attribute, new)`` replaces it)."""
         for owner, _key, attr, value in self._saved():
