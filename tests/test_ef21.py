@@ -15,7 +15,9 @@ import numpy as np
 import pytest
 
 import horovod_compress as hvdc
+from horovod_compress.compressors.state import TensorState
 from horovod_compress.feedback import available_feedback, make_feedback
+from horovod_compress.feedback.state import EF21State
 from horovod_compress.tools.testing import gather_float64, run_cases, same_on_all_ranks
 
 
@@ -221,7 +223,7 @@ class _Echo:
 
 def test_tracker_algebra_without_mpi():
     fb = make_feedback("fake", "ef21m", eta=0.5)
-    st: dict = {}
+    st = TensorState(fb.new_state())
     x1 = np.array([2.0, -4.0], np.float32)
     out = fb.reduce(_Echo(), x1, "w", None, st)         # h = 1, -2; d = h - 0; G = 2 d
     assert np.array_equal(out, [2.0, -4.0]) and np.array_equal(st["fb_g"], [1.0, -2.0])
@@ -230,7 +232,7 @@ def test_tracker_algebra_without_mpi():
     fb.on_dense_step(np.array([1.0, 1.0], np.float32), np.array([3.0, 3.0], np.float32), st)
     assert np.array_equal(st["fb_h"], [1, 1]) and np.array_equal(st["fb_g"], [1, 1])
     assert np.array_equal(st["fb_G"], [3, 3])
-    st2 = {"fb_g": np.zeros(3, np.float32)}             # a shape change resets the trackers
+    st2 = TensorState(EF21State(g=np.zeros(3, np.float32)))   # a shape change resets the trackers
     fb.reduce(_Echo(), x1, "w", None, st2)
     assert st2["fb_g"].shape == (2,)
 

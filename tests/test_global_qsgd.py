@@ -22,7 +22,6 @@ import numpy as np
 import pytest
 
 import horovod_compress as hvdc
-from horovod_compress.compressors.base import TensorState
 from horovod_compress.kernels.exp_reduce import exp_reduce_packed
 from horovod_compress.mpi_collectives.reduce_ops import (
     allreduce_reduce_once,
@@ -303,7 +302,8 @@ def case_special_inputs(comm):
             assert np.array_equal(r, dense, equal_nan=True), (label, bad)
             assert same_on_all_ranks(comm, _bits(r))
             assert f"bad{bad}" not in propagating.state
-            st = TensorState(t=1)
+            st = method.new_state()
+            st.t = 1
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 r, _ = method._reduce(x, f"bad{bad}", comm, st)
@@ -353,7 +353,7 @@ def case_exact_paths(comm):
     for label, (kw, x) in configs.items():
         method = hvdc.Compression.global_qsgd(feedback="none", **kw)
         comm.reset_stats()
-        avg, local = method._reduce(x, "g", comm, method.state.setdefault("g", _state()))
+        avg, local = method._reduce(x, "g", comm, method.state.setdefault("g", _state(method)))
         st = comm.stats()
         locals_ = comm.allgather(local).astype(np.float64)
         ref = locals_.mean(0)
@@ -364,16 +364,18 @@ def case_exact_paths(comm):
                       "identical": same_on_all_ranks(comm, _bits(avg)),
                       "local_rel_err": float(np.linalg.norm(local - x) / np.linalg.norm(x))}
     q = hvdc.Compression.qsgd(bits=4)
-    avg, local = q._reduce(dense_x, "g", comm, q.state.setdefault("g", _state()))
+    avg, local = q._reduce(dense_x, "g", comm, q.state.setdefault("g", _state(q)))
     ref = comm.allgather(local).astype(np.float64).mean(0)
     out["qsgd4"] = {"err": float(np.abs(avg - ref).max() / np.abs(ref).max()),
                     "identical": same_on_all_ranks(comm, _bits(avg))}
     return out
 
 
-def _state():
-    from horovod_compress.compressors.base import TensorState
-    return TensorState({"t": 1})
+def _state(method):
+    """A fresh state of ``method`` at its first step (what ``allreduce`` hands ``_reduce``)."""
+    st = method.new_state()
+    st.t = 1
+    return st
 
 
 def case_reproducible(comm):

@@ -142,7 +142,7 @@ def case_greedylore_fast_paths(comm):
                     e_before = None if st is None or method.is_svd_step(t) else current_error(st)
                     if t % 2 == 0 and not method.is_svd_step(t):
                         st = method.state[name]
-                        st["t"] = st.t + 1                  # what allreduce does before _reduce
+                        st.t += 1                           # what allreduce does before _reduce
                         res, local = method._reduce(g, name, comm, st)
                         a = (g.T if shape[0] > shape[1] else g).astype(np.float64) + e_before
                         q = st["U"][:, st["columns"]].astype(np.float64)
@@ -707,7 +707,7 @@ def test_pending_error_survives_a_change_to_the_unfused_path():
     for _ in range(3):
         meth.allreduce(rng.standard_normal((10, 16)).astype(np.float32), "w", comm)
     st = meth.state["w"]
-    st["U"] = st["U"].astype(np.float64)          # keep the subspace, change the dtype
+    st.U = st.U.astype(np.float64)                # keep the subspace, change the dtype
     e_before = current_error(st).astype(np.float64)
     g = rng.standard_normal((10, 16))
     out = meth.allreduce(g, "w", comm)

@@ -97,6 +97,7 @@ from ..kernels.feedback import fusable
 from ..kernels.rows import matrix_shape, top_rows
 from ..kernels.scatter import row_local
 from .base import Method, TensorState
+from .state import RowState
 from ..params import check_int
 from .registry import register
 from .row_common import check_ratio, rows_from_ratio
@@ -128,6 +129,7 @@ class ArcTopK(Method):
     """ARC-Top-K: shared Gaussian sketch + allreduce of the top-K rows (no indices sent)."""
 
     name = "arc_topk"
+    state_class = RowState
     layout = "matrix"
     biased = True
     default_feedback = "ef21m"
@@ -228,7 +230,7 @@ class ArcTopK(Method):
         plan = self.plan(x.shape)
         if plan.dense:
             self._pass_finite_gate()
-            state.pop("rows", None)
+            state.rows = None
             with comm.phase("arc_dense"):
                 return comm.allreduce(x, op="avg"), x
         xp = get_array_module(x)
@@ -242,7 +244,7 @@ class ArcTopK(Method):
         own = dispatch.call("gather_rows", g, rows_x)
         with comm.phase("arc_rows"):
             avg_rows = comm.allreduce(own, op="avg")          # K x n words, no indices
-        state["rows"] = rows.astype(np.int32)                 # diagnostics (same on every rank)
+        state.rows = rows.astype(np.int32)                 # diagnostics (same on every rank)
         avg = dispatch.call("scatter_rows", avg_rows, rows_x, plan.m).reshape(x.shape)
         if not self.feedback.uses_local:                      # e.g. feedback="none": not read
             return avg, None
@@ -282,7 +284,7 @@ class ArcTopK(Method):
         local_sketch = np.empty((plan.m, plan.r), x.dtype)
         h_new = None
         if h is not None:
-            spares = self.__dict__.setdefault("_h_spare", {})
+            spares = self.scratch.spare_h
             h_new = spares.get(name)
             if (h_new is None or h_new.shape != h.shape or h_new.dtype != h.dtype
                     or np.may_share_memory(h_new, h)):
@@ -290,7 +292,7 @@ class ArcTopK(Method):
         finite = sketch_pass(x, h, g, eta, padded_sketch(v), local_sketch, h_new)
         self._pass_finite_gate(finite)        # raises if any rank is not finite: nothing kept
         if h is not None:                     # (11a) takes effect: the old h is next step's buffer
-            state["fb_h"], self._h_spare[name] = h_new, h
+            state.feedback.h, spares[name] = h_new, h
             h = h_new
         with comm.phase("arc_sketch"):
             sketch = comm.allreduce(local_sketch, op="avg")   # m x r words
@@ -299,7 +301,7 @@ class ArcTopK(Method):
         take_rows(x if h is None else h, g, rows, msg)        # d[I, :], and (11b) on rows I
         with comm.phase("arc_rows"):
             total = self._rows_sum(msg, name, comm)           # K x n words, no indices
-        state["rows"] = rows.astype(np.int32)                 # diagnostics (same on every rank)
+        state.rows = rows.astype(np.int32)                 # diagnostics (same on every rank)
         total = np.ascontiguousarray(total, dtype=x.dtype).reshape(plan.k, plan.n)
         return apply_rows_copy(big_g, rows, total, comm.size).reshape(x.shape)
 

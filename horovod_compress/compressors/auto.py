@@ -187,6 +187,10 @@ class Auto(Method):
     def state(self, value: dict) -> None:
         """Ignored: the candidates hold the state (``Method.__init__`` and the base restore set it)."""
 
+    def _restore_states(self, saved: dict) -> dict:
+        """None of its own: each candidate restores its tensors' state (:meth:`load_state_dict`)."""
+        return {}
+
     @property
     def last_step_skipped(self) -> bool:     # type: ignore[override]
         active = self.__dict__.get("_active")
@@ -293,7 +297,7 @@ class Auto(Method):
         """Take ``name``'s state out of the method that ran it; keep its EF14 residual as a debt
         the next call pays (exchanged with the new method), so no gradient mass is dropped."""
         st = previous.state.pop(name, None)
-        residual = None if st is None else st.get("fb_residual")
+        residual = None if st is None else getattr(st.feedback, "residual", None)
         if residual is not None:
             self._pending[name] = np.array(residual, copy=True) if isinstance(residual, np.ndarray) \
                 else residual.copy()

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..feedback import make_feedback
 from ..kernels.arrays import get_array_module, to_host
+from .state import MethodScratch
 
 #: The collectives a method's calls are counted under (the Communicator's op names), in the
 #: fixed order of the agreement vector.
@@ -152,7 +153,7 @@ def dry_run(method: Any, x: Any, name: str, comm: Any,
 
 #: Attributes of a method a dry run's copy does not take: per-tensor state, scratch buffers,
 #: pending agreements, the signatures already checked (the copy checks its own).
-_PER_TENSOR = ("state", "feedback", "_call_scratch", "_local_scratch", "_finite_gates", "_signatures")
+_PER_TENSOR = ("state", "feedback", "scratch", "_finite_gates", "_signatures")
 
 
 def throwaway_copy(method: Any) -> Any:
@@ -161,6 +162,7 @@ def throwaway_copy(method: Any) -> Any:
     clone = copy.copy(method)
     clone.__dict__ = copy.deepcopy({k: v for k, v in method.__dict__.items() if k not in _PER_TENSOR})
     clone.state = {}
+    clone.scratch = MethodScratch()
     clone.feedback = make_feedback(method.name, method.feedback.name, **method.feedback.params())
     clone._signatures = set()
     clone.warmup_steps = 0

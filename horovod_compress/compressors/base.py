@@ -18,8 +18,9 @@ A subclass implements :meth:`Method._reduce`, which maps an input ``x_i`` to
 
 Error feedback (:mod:`horovod_compress.feedback`) wraps ``_reduce`` for biased
 methods; warm-up steps run a dense allreduce. Per-tensor state (step counter,
-residual, thresholds, subspaces ...) lives in ``self.state[name]`` and is what
-:meth:`state_dict` saves.
+residual, thresholds, subspaces ...) lives in ``self.state[name]``, an instance
+of the method's ``state_class`` (:mod:`horovod_compress.compressors.state`),
+and is what :meth:`state_dict` saves.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from ..mpi_collectives import world as _world
 from ..mpi_collectives.consistency import NEW_SIGNATURE, NONFINITE, TensorMismatchError, agree, check_same_signature
 from ..params import check_int
 from .horovod_protocol import horovod_protocol
+from .state import STATE_FORMAT_VERSION, MethodScratch, TensorState
 
 NONFINITE_POLICIES = ("raise", "skip", "propagate")
 NONFINITE_ENV = "HVDC_NONFINITE"
@@ -55,6 +57,18 @@ def _task_id() -> int:
     """The running task: its greenlet (the lockstep runner runs several tensors' calls as greenlets
     of one thread) -- on a plain thread, that thread's main greenlet, one per thread."""
     return id(_current_task())
+
+def check_format_version(sd: dict[str, Any], method: str) -> int:
+    """The format version of checkpoint ``sd`` (1 when it has none); ``ValueError`` for one this
+    version cannot read, naming the version found and the ones it reads."""
+    version = sd.get("format_version", 1)
+    if not isinstance(version, (int, np.integer)) or not 1 <= int(version) <= STATE_FORMAT_VERSION:
+        raise ValueError(f"{method}: checkpoint format version {version!r} cannot be read here: "
+                         f"this version of horovod_compress reads format versions 1 to "
+                         f"{STATE_FORMAT_VERSION} (a newer checkpoint needs a newer "
+                         f"horovod_compress)")
+    return int(version)
+
 
 class NonFiniteGradientError(FloatingPointError, ValueError):
     """A gradient held NaN/Inf under the ``nonfinite="raise"`` policy (raised on every rank)."""
@@ -94,25 +108,17 @@ class _NonFiniteAgreed(Exception):
         self.bad_ranks = bad_ranks
 
 
-def _move_state(state: dict, xp: Any) -> None:
+def _move_state(state: TensorState, xp: Any) -> None:
     """Put the float arrays of a tensor's state on ``xp``'s device (after a restore, or a device change).
 
     Only floating-point arrays (residuals, trackers) follow the gradient;
     integer arrays (selected rows, diagnostics) stay where they are.
     """
-    for key, value in state.items():
+    for owner, attr, value in list(state.present_fields()):
         on_gpu = is_gpu_array(value)
         if (on_gpu or isinstance(value, np.ndarray)) and np.dtype(value.dtype).kind == "f" \
                 and on_gpu != (xp is not np):
-            state[key] = as_module_array(value, xp)
-
-
-class TensorState(dict):
-    """Per-tensor state: a dict of NumPy arrays and scalars with a step counter ``t``."""
-
-    @property
-    def t(self) -> int:
-        return int(self.get("t", 0))
+            setattr(owner, attr, as_module_array(value, xp))
 
 
 class Method:
@@ -147,6 +153,8 @@ class Method:
     #: whether ``_reduce`` runs a real reduce-scatter under :meth:`reduce_scatter` (it then moves
     #: only what a rank's block needs; the others reduce everything and keep a slice)
     scatters: ClassVar[bool] = False
+    #: the class of ``self.state[name]`` (:mod:`horovod_compress.compressors.state`)
+    state_class: ClassVar[type[TensorState]] = TensorState
 
     def __init__(self, *, feedback: str | None = None, warmup_steps: int = 0,
                  seed: int = 0, nonfinite: str | None = None, **feedback_params: Any) -> None:
@@ -162,6 +170,8 @@ class Method:
             self.name, feedback if feedback is not None else self.default_feedback,
             **feedback_params)
         self.state: dict[str, TensorState] = {}
+        #: work buffers reused across calls (never checkpointed)
+        self.scratch = MethodScratch()
         self.device_calls: dict[str, int] = {"native": 0, "staged": 0}
 
     # --------------------------------------------------------------- public
@@ -209,9 +219,11 @@ class Method:
             bad_ranks = self._agree_step(comm, signature, _finite(x))
             if bad_ranks:
                 return self._nonfinite_step(x, grad, in_dtype, name, comm, bad_ranks)
-        st = self.state.setdefault(name, TensorState())
+        st = self.state.get(name)
+        if st is None:
+            st = self.state[name] = self.new_state()
         _move_state(st, get_array_module(x))
-        st["t"] = st.t + 1
+        st.t += 1
         if dense_step:
             out = comm.allreduce(x, op="avg")
             self.feedback.on_dense_step(x, out, st)
@@ -280,7 +292,7 @@ class Method:
         if prev is None:
             self.state.pop(name, None)
         else:
-            st["t"] = st.t - 1
+            st.t -= 1
 
     def _agree_step(self, comm: Any, signature: tuple, finite: bool) -> list[int]:
         """The per-call agreement: one 1-byte allgather of (not finite, new signature) flags,
@@ -420,7 +432,7 @@ class Method:
         in O(k) rather than O(n). ``None`` (the default) means: treat
         ``local`` as dense.
         """
-        scratch = self.__dict__.get("_local_scratch", {}).get(name)
+        scratch = self.scratch.local.get(name)
         return None if scratch is None else scratch.support_of(local)
 
     # ------------------------------------------- Horovod's Compressor protocol
@@ -449,7 +461,7 @@ class Method:
         partial sums): a fresh buffer would cost a page fault per 4 KiB each step.
         Not checkpointed.
         """
-        bufs = self.__dict__.setdefault("_call_scratch", {})
+        bufs = self.scratch.call
         got = bufs.get(name)
         if got is None or len(got) != count or got[0].size != n or got[0].dtype != dtype:
             got = [np.empty(n, dtype=dtype) for _ in range(count)]
@@ -475,24 +487,44 @@ class Method:
         return self.rng(name, step, f"{purpose}|rank{rank}")
 
     # ---------------------------------------------------------- checkpoints
+    def new_state(self) -> TensorState:
+        """A fresh state for a tensor: the method's ``state_class`` with its feedback's memory."""
+        return self.state_class(self.feedback.new_state())
+
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to resume: config plus per-tensor state (NumPy copies)."""
+        """Everything needed to resume: format version, config and per-tensor state (NumPy copies).
+
+        ``state`` maps each tensor to ``{field key: value}``
+        (:meth:`TensorState.to_dict <horovod_compress.compressors.state.TensorState.to_dict>`).
+        """
         return {
+            "format_version": STATE_FORMAT_VERSION,
             "config": self.config(),
             "state": {n: {k: (np.array(to_host(v), copy=True)
                               if isinstance(v, np.ndarray) or is_gpu_array(v) else v)
-                          for k, v in st.items()} for n, st in self.state.items()},
+                          for k, v in st.to_dict().items()} for n, st in self.state.items()},
         }
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` output; refuses a checkpoint of another method."""
+        """Restore :meth:`state_dict` output; refuses a checkpoint of another method.
+
+        Reads format versions 1 (saved before the version was recorded: the same keys) up to
+        :data:`~horovod_compress.compressors.state.STATE_FORMAT_VERSION`; a newer one raises
+        ``ValueError`` naming both.
+        """
         cfg = sd.get("config", {})
         if cfg.get("name") != self.name:
             raise ValueError(f"checkpoint holds compressor state of {cfg.get('name')!r}, "
                              f"not {self.name!r}")
-        self.state = {n: TensorState({k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else v)
-                                      for k, v in st.items()})
-                      for n, st in sd.get("state", {}).items()}
+        check_format_version(sd, self.name)
+        self.state = self._restore_states(sd.get("state", {}))
+
+    def _restore_states(self, saved: dict[str, dict[str, Any]]) -> dict[str, TensorState]:
+        """Each tensor's state from a checkpoint's ``{tensor: {field key: value}}`` (copies)."""
+        return {n: self.new_state().restore(
+                    {k: (np.array(v, copy=True) if isinstance(v, np.ndarray) else v)
+                     for k, v in st.items()}, where=f"{self.name}: tensor {n!r}: ")
+                for n, st in saved.items()}
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.config().items() if k != "name")

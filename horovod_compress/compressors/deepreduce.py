@@ -82,6 +82,7 @@ import numpy as np
 from .. import codecs
 from ..codecs import container
 from .base import Method, TensorState
+from .state import SelectedState
 from ..params import check_choice
 from ..kernels.merge_sum import merge_sum
 from ..kernels.scatter import SparseScratch, scatter_clear
@@ -118,6 +119,7 @@ class DeepReduce(Method):
     """Sparsifier + index/value codecs in one container, exchanged by allgatherv."""
 
     name = "deepreduce"
+    state_class = SelectedState
     biased = True
     default_feedback = "residual"
 
@@ -188,8 +190,10 @@ class DeepReduce(Method):
             return np.flatnonzero(flat).astype(np.int64), flat
         if hasattr(self._sparsifier, "select"):
             return np.sort(np.asarray(self._sparsifier.select(flat), dtype=np.int64)), flat
-        st = self._sparsifier.state.setdefault(name, TensorState())
-        st["t"] = st.t + 1
+        st = self._sparsifier.state.get(name)
+        if st is None:
+            st = self._sparsifier.state[name] = self._sparsifier.new_state()
+        st.t += 1
         _avg, local = self._sparsifier._reduce(flat, name, self._comm_self(), st)
         local = np.asarray(local, dtype=flat.dtype).reshape(-1)
         return np.flatnonzero(local).astype(np.int64), local
@@ -291,7 +295,7 @@ class DeepReduce(Method):
         support, values = np.empty(k, np.int64), np.empty(k, np.float32)
         report: dict = {}
         real = add_topk(x.reshape(-1), e.reshape(-1), flat, k, support, values,
-                        scratch=self.__dict__.setdefault("_select_scratch", {}), report=report)
+                        scratch=self.scratch.select, report=report)
         self._pass_finite_gate(report.get("finite"))
         if real is None or real < k:     # no usable sampled bound: the sparsifier's selection
             support, values = self.sparsify(flat, name, state.t)[0], None
@@ -317,8 +321,8 @@ class DeepReduce(Method):
         avg = merge_sum(n, [p.slots for p in parts], [p.values for p in parts], flat.dtype,
                         comm.size)
         mine = parts[comm.rank]
-        state["container_bytes"] = len(enc.data)
-        state["selected"] = mine.selected
+        state.container_bytes = len(enc.data)
+        state.selected = mine.selected
         return avg, mine, own is not None and source is flat
 
     def _local(self, name: str, flat: np.ndarray, mine: container.SparseTensor) -> np.ndarray | None:
@@ -326,7 +330,7 @@ class DeepReduce(Method):
         per step); ``None`` when the feedback scheme does not read it."""
         if not self.feedback.uses_local:
             return None
-        scratch = self.__dict__.setdefault("_local_scratch", {}).setdefault(name, _LocalScratch())
+        scratch = self.scratch.local.setdefault(name, _LocalScratch())
         return scratch.fill_values(flat.size, flat.dtype, mine.slots, mine.values)
 
     # ------------------------------------------------------------- metadata

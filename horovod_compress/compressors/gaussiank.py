@@ -33,6 +33,7 @@ from ..kernels.selection import (
     select_by_threshold,
 )
 from .base import TensorState
+from .state import ThresholdState
 from .lowrank_common import check_bool
 from .registry import register
 from .sparse_common import DensitySparsifier, k_from_density, sparse_local
@@ -67,6 +68,7 @@ class Gaussiank(DensitySparsifier):
     """Gaussian-estimated threshold + allgather (Gaussiank)."""
 
     name = "gaussiank"
+    state_class = ThresholdState
 
     def __init__(self, *, density: float = 0.01, adjust: bool = True,
                  feedback: str | None = None, warmup_steps: int = 0, seed: int = 0,
@@ -95,8 +97,8 @@ class Gaussiank(DensitySparsifier):
         check_index_range(flat.size, self.name)
         th = self.threshold(flat)
         idx, val = select_by_threshold(flat, th)
-        state["threshold"] = float(th)
-        state["selected"] = int(idx.size)
+        state.threshold = float(th)
+        state.selected = int(idx.size)
         avg = allgatherv_sum(comm, idx, val, flat.size, scale=1.0 / comm.size)
         local = sparse_local(self, name, flat.size, flat.dtype, idx, flat)
         return avg.reshape(x.shape), local.reshape(x.shape)

@@ -97,13 +97,13 @@ Special inputs (identical decision on every rank, since it depends only on the
 allreduced norm):
 
 * all-zero gradient on every rank (norm 0): the result is exactly zero; no
-  payload is sent (only the norm). Counted in ``state["zero_norm_steps"]``.
+  payload is sent (only the norm). Counted in ``state.zero_norm_steps``.
 * NaN or +-Inf on any rank: its local norm is reported as +inf, so the global
   norm is +inf everywhere and the step falls back to an uncompressed float
   allreduce of the gradient -- the same result as ``Compression.none``:
   NaN/Inf appear exactly where a dense allreduce puts them (so loss scalers
   detect and skip the step as without compression), never a quantized garbage
-  value. Counted in ``state["dense_fallback_steps"]`` with a RuntimeWarning.
+  value. Counted in ``state.dense_fallback_steps`` with a RuntimeWarning.
 """
 from __future__ import annotations
 
@@ -138,6 +138,7 @@ from ..kernels.quantize import (
     unpack_nibbles,
 )
 from .base import Method, TensorState
+from .state import QuantizedState
 from ..params import check_choice, check_int
 from .registry import register
 from ..mpi_collectives.accounting import allreduce_volume
@@ -189,6 +190,7 @@ class GlobalQSGD(Method):
     """Global-QSGD: global-norm quantization reduced inside the allreduce (unbiased)."""
 
     name = "global_qsgd"
+    state_class = QuantizedState
     biased = False
     default_feedback = "none"
     horovod_compatible = False  # per instance: True only for the linear 8-bit dense variant
@@ -325,7 +327,7 @@ class GlobalQSGD(Method):
             glob = comm.allreduce(np.array(msg, dtype=np.float64), op="max")
         norm = float(glob[0])
         if norm == 0.0:
-            state["zero_norm_steps"] = int(state.get("zero_norm_steps", 0)) + 1
+            state.zero_norm_steps += 1
             zeros = xp.zeros_like(x)
             return zeros, zeros.copy()
         sparse = self.sparse is True or (auto and self._sparse_is_smaller(int(glob[1]), flat.size, p))
@@ -483,7 +485,7 @@ class GlobalQSGD(Method):
                                             segment_bytes=segment, slice_bytes=slice_,
                                             result=total, scratch=(partial, mine))
         if saturated:
-            state["saturated"] = int(state.get("saturated", 0)) + saturated
+            state.saturated += int(saturated)
         return avg, local
 
     def _exp_window(self, flat: np.ndarray, q_scale: float, d_scale: float, key: np.uint64,
@@ -533,7 +535,7 @@ class GlobalQSGD(Method):
         with comm.phase("global_qsgd.payload"):
             saturated = window_reduce_once_items(comm, window, n, 1, produce, reduce, consume, scratch)
         if saturated:
-            state["saturated"] = int(state.get("saturated", 0)) + saturated
+            state.saturated += int(saturated)
         return avg, local
 
     def _exp_codes_cpu(self, flat: np.ndarray, q_scale: float, key: np.uint64, d_scale: float,
@@ -604,7 +606,7 @@ class GlobalQSGD(Method):
         per tensor saves an n-element allocation and its page faults per step
         Not part of the checkpointed state.
         """
-        bufs = self.__dict__.setdefault("_local_buffers", {})
+        bufs = self.scratch.qsgd_local
         buf = bufs.get(name)
         if buf is None or buf.size != flat.size or buf.dtype != flat.dtype:
             buf = np.empty(flat.size, dtype=flat.dtype)
@@ -618,7 +620,7 @@ class GlobalQSGD(Method):
 
     def _dense_fallback(self, flat: np.ndarray, comm: Any, state: TensorState,
                         shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-        state["dense_fallback_steps"] = int(state.get("dense_fallback_steps", 0)) + 1
+        state.dense_fallback_steps += 1
         warnings.warn("global_qsgd: a gradient holds NaN or Inf on some rank; this step runs as an "
                       "uncompressed allreduce (same result as Compression.none)", RuntimeWarning,
                       stacklevel=4)
@@ -675,7 +677,7 @@ class GlobalQSGD(Method):
                     total = comm.allreduce_custom(to_host(payload), f"exp{self.bits}")
                 saturated = stream.saturated
         if saturated:
-            state["saturated"] = int(state.get("saturated", 0)) + saturated
+            state.saturated += int(saturated)
         total = as_module_array(total, get_array_module(payload))
         return total if self.bits == 8 else dispatch.call("unpack_nibbles", total, n)
 

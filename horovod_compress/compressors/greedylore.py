@@ -82,8 +82,8 @@ Decisions where the paper leaves room (checked against its prose):
   for ``r <= 4``, BLAS above); (3) ``Q C`` written
   (:func:`..kernels.lowrank.reconstruct` for ``r <= 5``, BLAS above). The
   new error ``e_i = A_i - Q C_i`` (eq. 9b) is *not written*: the state
-  keeps ``A_i`` (``state["error"]``) and the factors ``Q``, ``C_i``
-  (``state["error_q"]``, ``state["error_c"]``), and the next step's first
+  keeps ``A_i`` (``state.error``) and the factors ``Q``, ``C_i``
+  (``state.error_q``, ``state.error_c``), and the next step's first
   pass computes ``A_{i+1} = M + A_i - Q C_i`` (:func:`..kernels.lowrank.add_lowrank_and_probe`,
   the same bytes as before plus ``r`` multiply-adds per entry from cache).
   That removes a read and a write of the m x n error per step.
@@ -153,6 +153,7 @@ import numpy as np
 from scipy.linalg import blas as _blas
 
 from .base import Method, TensorState
+from .state import GreedyLoreState
 from .lowrank_common import (
     PeriodicSubspaceSchedule,
     check_min_rate,
@@ -265,41 +266,40 @@ def _kernel_ready(*arrays: np.ndarray) -> bool:
 
 def _pending_ready(state: TensorState, base: np.ndarray) -> bool:
     """Whether a pending error ``base - Q C_i`` (if any) fits the fused first pass."""
-    if "error_q" not in state:
+    if state.error_q is None:
         return True
-    q, c = state["error_q"], state["error_c"]
+    q, c = state.error_q, state.error_c
     m, n = base.shape
     return (q.ndim == 2 and c.ndim == 2 and q.shape[0] == m and c.shape == (q.shape[1], n)
             and q.dtype == c.dtype == base.dtype)
 
 
 def _drop_pending_error(state: TensorState) -> None:
-    state.pop("error_q", None)
-    state.pop("error_c", None)
+    state.error_q = state.error_c = None
 
 
 def current_error(state: TensorState) -> np.ndarray | None:
     """The error ``e_i`` (eq. 9b) of a tensor's state, as a new array; ``None`` if it has none.
 
     After a fused step the state keeps ``e_i = A_i - Q C_i`` unevaluated:
-    ``state["error"]`` holds ``A_i`` and ``state["error_q"]``,
-    ``state["error_c"]`` hold ``Q`` (m x r) and ``C_i = Q^T A_i`` (r x n);
+    ``state.error`` holds ``A_i`` and ``state.error_q``,
+    ``state.error_c`` hold ``Q`` (m x r) and ``C_i = Q^T A_i`` (r x n);
     this evaluates it without changing the state. Both forms are exact
     checkpoints (``state_dict`` saves all three arrays).
     """
-    e = state.get("error")
+    e = state.error
     if e is None:
         return None
-    if "error_q" in state:
-        return e - state["error_q"] @ state["error_c"]
+    if state.error_q is not None:
+        return e - state.error_q @ state.error_c
     return np.array(e, copy=True)
 
 
 def materialize_error(state: TensorState) -> np.ndarray:
-    """Evaluate a pending ``e_i = A_i - Q C_i`` into ``state["error"]`` (in place when it can)."""
-    e = state["error"]
-    if "error_q" in state:
-        q, c = state["error_q"], state["error_c"]
+    """Evaluate a pending ``e_i = A_i - Q C_i`` into ``state.error`` (in place when it can)."""
+    e = state.error
+    if state.error_q is not None:
+        q, c = state.error_q, state.error_c
         if (e.flags.c_contiguous and e.flags.writeable and e.dtype in (np.float32, np.float64)
                 and q.dtype == c.dtype == e.dtype):
             e = subtract_low_rank(e, q, c)
@@ -308,7 +308,7 @@ def materialize_error(state: TensorState) -> np.ndarray:
             e = subtract_low_rank(e.T, c.T, q.T).T
         else:
             e = e - q @ c
-        state["error"] = e
+        state.error = e
         _drop_pending_error(state)
     return e
 
@@ -333,6 +333,7 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
     """GreedyLore: semi-lazy SVD, approximate global top-r projection, error feedback."""
 
     name = "greedylore"
+    state_class = GreedyLoreState
     layout = "matrix"
     biased = True
     default_feedback = "none"  # error feedback is part of the algorithm (see module docstring)
@@ -404,28 +405,28 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
             return comm.allreduce(x, op="avg"), x
         m_mat, transposed = working_matrix(mat)
         m, n = m_mat.shape
-        u = state.get("U")
+        u = state.U
         if self.is_svd_step(state.t) or u is None or u.shape != (m, m) or u.dtype != m_mat.dtype:
             self._pass_finite_gate()
             with comm.phase("greedylore.svd"):
                 g = comm.allreduce(np.ascontiguousarray(m_mat), op="avg")
-            state["U"] = left_singular_vectors(g)
-            state["error"] = self._zeroed_error(name, state.get("error"), g, transposed)
+            state.U = left_singular_vectors(g)
+            state.error = self._zeroed_error(name, state.error, g, transposed)
             _drop_pending_error(state)
-            state["columns"] = np.arange(0, dtype=np.int64)
-            state["svd_step"] = state.t
+            state.columns = np.arange(0, dtype=np.int64)
+            state.svd_step = state.t
             avg = g.T if transposed else g
             return np.ascontiguousarray(avg).reshape(x.shape), x
 
         # A_i = M_i + e_i (eq. 9a). Fused path: into the spare error buffer (the error is left
         # as it was until the NaN/Inf agreement passes), with v = A_i xi in the same pass; an
         # error kept as base - Q C_i (see below) is applied in that same pass.
-        e = state.get("error")
+        e = state.error
         if transposed and e is not None and e.shape == (m, n) and not e.flags.f_contiguous:
             # a transposed tensor's error is column-major (see _zeroed_error); one restored from
             # a checkpoint (or an older one) is laid out so once, so a resumed run takes the same
             # arithmetic path -- and gives the same bits -- as the run that saved it
-            e = state["error"] = np.asfortranarray(e)
+            e = state.error = np.asfortranarray(e)
         has_error = self.error_feedback and e is not None and e.shape == (m, n)
         xi = self.probes_for(name, state.t, m, n, m_mat.dtype)
         # a tall tensor's arrays are row-major in its own orientation (m_mat.T, e.T, a.T)
@@ -435,8 +436,8 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
         if fused:
             a = self._spare_error(name, e, transposed)
             v = np.empty((m, self.probes), dtype=m_mat.dtype)
-            if "error_q" in state:
-                q_p, c_p = pad_rank(state["error_q"], state["error_c"])
+            if state.error_q is not None:
+                q_p, c_p = pad_rank(state.error_q, state.error_c)
                 if transposed:
                     add_lowrank_and_probe_rows(m_mat.T, e.T, np.ascontiguousarray(c_p.T),
                                                np.ascontiguousarray(q_p.T), xi, v, a.T)
@@ -477,7 +478,7 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
             # (Q, C_i), and the next step's first pass applies them (add_lowrank_and_probe).
             avg = self._low_rank(q, c, transposed)        # Q C (eq. 10), in x's orientation
             self._spare_errors()[name] = e                # the old base is the next spare
-            state["error_q"], state["error_c"] = q, c_local
+            state.error_q, state.error_c = q, c_local
             new_error = a
         elif (self.error_feedback and owned and not transposed and q.shape[1] <= KERNEL_MAX_RANK
                 and _kernel_ready(q, c, c_local, a)):
@@ -496,8 +497,8 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
                 else:
                     new_error = a - q @ c_local
         if new_error is not None:
-            state["error"] = new_error
-        state["columns"] = cols.astype(np.int64)
+            state.error = new_error
+        state.columns = cols.astype(np.int64)
         return avg.reshape(x.shape), (None if local is None else local.reshape(x.shape))
 
     def _zeroed_error(self, name: str, old: np.ndarray | None, like: np.ndarray,
@@ -534,7 +535,7 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
 
     def _spare_errors(self) -> dict[str, np.ndarray]:
         """Tensor name -> its spare error buffer (:meth:`_spare_error`)."""
-        return self.__dict__.setdefault("_spare_error_buffers", {})
+        return self.scratch.spare_error
 
     def _spare_error(self, name: str, like: np.ndarray, transposed: bool = False) -> np.ndarray:
         """The second error buffer of tensor ``name`` (shape and dtype of ``like``), reused.

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from .base import Method, TensorState
+from .state import SubspaceState
 from .greedylore import left_singular_vectors, working_matrix
 from .lowrank_common import (
     PeriodicSubspaceSchedule,
@@ -45,6 +46,7 @@ class LazyProjection(PeriodicSubspaceSchedule, Method):
     """GaLore-style lazy SVD projection (no error feedback): the GreedyLore paper's baseline."""
 
     name = "lazy_projection"
+    state_class = SubspaceState
     layout = "matrix"
     biased = True
     default_feedback = "none"
@@ -68,12 +70,12 @@ class LazyProjection(PeriodicSubspaceSchedule, Method):
         m_mat, transposed = working_matrix(mat)
         m, n = m_mat.shape
         r = effective_rank(m, n, self.rank)
-        q = state.get("Q")
+        q = state.Q
         if self.is_svd_step(state.t) or q is None or q.shape != (m, r) or q.dtype != m_mat.dtype:
             with comm.phase("lazy_projection.svd"):
                 g = comm.allreduce(np.ascontiguousarray(m_mat), op="avg")
-            state["Q"] = np.ascontiguousarray(left_singular_vectors(g)[:, :r])
-            state["svd_step"] = state.t
+            state.Q = np.ascontiguousarray(left_singular_vectors(g)[:, :r])
+            state.svd_step = state.t
             avg = g.T if transposed else g
             return np.ascontiguousarray(avg).reshape(x.shape), x
         c_local = q.T @ m_mat      # r x n; BLAS reads a transposed view as it is

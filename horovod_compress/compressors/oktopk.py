@@ -50,6 +50,7 @@ import numpy as np
 from ..kernels.arrays import as_module_array, get_array_module
 from ..mpi_collectives import timeline as _timeline
 from .base import Method, TensorState
+from .state import OkTopkState
 from ..params import check_float, check_int
 from .registry import register
 from .sparse_common import check_density, k_from_density, sparse_local
@@ -62,6 +63,7 @@ class OkTopk(Method):
     """Ok-Topk: O(k) sparse allreduce with reused thresholds and residuals (Algorithm 2)."""
 
     name = "oktopk"
+    state_class = OkTopkState
     biased = True
     default_feedback = "residual"
     gpu_native = True  # the O(n) selection on the device, the O(k) collectives on the host
@@ -196,7 +198,7 @@ class OkTopk(Method):
         from ..mpi_collectives.oktopk import ok_sparse_allreduce
 
         step = state.t - self.warmup_steps  # Algorithm 1's t: 1 at the first sparse step
-        scratch = self.__dict__.setdefault("_ok_scratch", {}).setdefault(name, {})
+        scratch = self.scratch.oktopk.setdefault(name, {})
         res = ok_sparse_allreduce(comm, flat, self.k_for(flat.size), step, state,
                                   self.schedule(), addends=addends, scratch=scratch,
                                   gate=self._gate)

@@ -94,6 +94,7 @@ from ..mpi_collectives.consistency import (
     signature_digest,
 )
 from .base import _MAX_SIGNATURES, Method, TensorState, _finite, _move_state
+from .state import SubspaceState
 from .lowrank_common import (
     check_bool,
     check_min_rate,
@@ -157,6 +158,7 @@ class PowerSGD(Method):
     """Rank-r PowerSGD with warm start and error feedback."""
 
     name = "powersgd"
+    state_class = SubspaceState
     layout = "matrix"
     biased = True
     default_feedback = "residual"
@@ -217,7 +219,7 @@ class PowerSGD(Method):
         the gradient itself) otherwise, or where BLAS computed ``M Q``.
         """
         mat = compressed_matrix(x, self.rank, self.min_compression_rate)
-        fresh = not self.warm_start or "Q" not in state
+        fresh = not self.warm_start or state.Q is None
         if mat is None:
             if e is not None:
                 x = np.add(x, e, out=acc)
@@ -225,11 +227,11 @@ class PowerSGD(Method):
             if self.q_init == "torch" and fresh:
                 self._torch_rng.randint(1_000_000_000)  # the hook draws for every bucket
                 if self.warm_start:
-                    state["Q"] = np.zeros((0, 0), dtype=x.dtype)
+                    state.Q = np.zeros((0, 0), dtype=x.dtype)
             return job
         rows, cols = mat.shape
         r = effective_rank(rows, cols, self.rank)
-        q = None if fresh else state["Q"]
+        q = None if fresh else state.Q
         if q is None or q.shape != (cols, r) or q.dtype != mat.dtype:
             q = self.initial_q(name, state.t, cols, r, mat.dtype)
         else:
@@ -275,7 +277,7 @@ class PowerSGD(Method):
         the rule depends on the rank alone, so both paths give the same bits).
         """
         if self.warm_start:
-            job.state["Q"] = q
+            job.state.Q = q
         shape = job.mat.shape
         if out is None:
             out = np.empty(shape, dtype=job.mat.dtype)
@@ -440,14 +442,16 @@ class PowerSGD(Method):
                     if first_error is None:
                         first_error = exc
                 continue
-            st = self.state.setdefault(nm, TensorState())
+            st = self.state.get(nm)
+            if st is None:
+                st = self.state[nm] = self.new_state()
             _move_state(st, np)
-            st["t"] = st.t + 1
+            st.t += 1
             if st.t <= self.warmup_steps:
                 jobs.append((k, "warm", x, None))
                 send_b.append((x, "avg", dense_phase))
                 continue
-            e = st.get("fb_residual") if residual else None
+            e = self.feedback.memory(st).residual if residual else None
             if isinstance(e, np.ndarray) and e.shape == x.shape and e.dtype == x.dtype \
                     and e.flags.c_contiguous and e.flags.writeable:
                 # EF: compress acc = x + e, written into e's buffer during M Q's pass
@@ -476,7 +480,7 @@ class PowerSGD(Method):
             elif kind == "dense":
                 if residual:            # local = acc: nothing left over
                     np.subtract(acc, acc, out=acc)
-                    job.state["fb_residual"] = acc
+                    job.state.feedback.residual = acc
                 results[k] = got
             else:
                 send_c.append((self._after_p(job, got), "avg", "powersgd.Q"))
@@ -493,7 +497,7 @@ class PowerSGD(Method):
             if target is not None:
                 inplace.add(k)
             if residual:
-                job.state["fb_residual"] = acc
+                job.state.feedback.residual = acc
             results[k] = avg
         if first_error is not None:
             raise first_error

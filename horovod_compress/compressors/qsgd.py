@@ -21,7 +21,7 @@ way, B = N (8-bit) or ceil(N/2) (4-bit) -- linear in P, unlike Global-QSGD's
 Special inputs: an all-zero gradient has norm 0 and sends zeros. A NaN/Inf on
 any rank shows as a non-finite norm in the gathered messages, identical on all
 ranks; the step is then redone as an uncompressed float allreduce (same result
-as ``Compression.none``), counted in ``state["dense_fallback_steps"]``.
+as ``Compression.none``), counted in ``state.dense_fallback_steps``.
 """
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from ..kernels import dispatch
 from ..kernels.arrays import get_array_module
 from ..kernels.quantize import abs_max, sum_squares
 from .base import Method, TensorState
+from .state import QuantizedState
 from ..params import check_choice, check_int
 from .registry import register
 
@@ -44,6 +45,7 @@ class QSGD(Method):
     """QSGD: local-norm stochastic quantization + allgather (unbiased)."""
 
     name = "qsgd"
+    state_class = QuantizedState
     biased = False
     default_feedback = "none"
     gpu_native = True
@@ -113,7 +115,7 @@ class QSGD(Method):
             gathered = comm.allgather(message)  # (P, 4 + B) bytes
         decoded = [self.decode(gathered[j], n) for j in range(comm.size)]
         if not all(math.isfinite(norm) for norm, _ in decoded):
-            state["dense_fallback_steps"] = int(state.get("dense_fallback_steps", 0)) + 1
+            state.dense_fallback_steps += 1
             warnings.warn("qsgd: a gradient holds NaN or Inf on some rank; this step runs as an "
                           "uncompressed allreduce (same result as Compression.none)",
                           RuntimeWarning, stacklevel=4)

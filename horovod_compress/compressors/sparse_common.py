@@ -149,5 +149,5 @@ def sparse_local(method: Any, name: str, n: int, dtype: np.dtype, idx: np.ndarra
         local[sel] = src[sel]
         return local
     from ..kernels.scatter import SparseScratch
-    scratch = method.__dict__.setdefault("_local_scratch", {}).setdefault(name, SparseScratch())
+    scratch = method.scratch.local.setdefault(name, SparseScratch())
     return scratch.fill(n, dtype, idx, src, count)

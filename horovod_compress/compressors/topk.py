@@ -101,10 +101,10 @@ class TopkA(DensitySparsifier):
         report: dict = {}
         with _timeline.span("topk.select", "compress"):
             real = add_topk(x.reshape(-1), e.reshape(-1), flat, k, out_idx, out_val,
-                            scratch=self.__dict__.setdefault("_select_scratch", {}), report=report)
+                            scratch=self.scratch.select, report=report)
             if real is None:     # no usable sampled bound: acc is written, select over it
                 _idx, _val, real = exact_topk_coo(flat, k, out_idx=out_idx, out_val=out_val,
-                                                  scratch=self._select_scratch)
+                                                  scratch=self.scratch.select)
         return self._exchange(msg, k, real, flat, name, comm, acc.shape,
                               finite=report.get("finite"), residual=True)
 
@@ -118,7 +118,7 @@ class TopkA(DensitySparsifier):
         with _timeline.span("topk.select", "compress"):
             _idx, _val, real = exact_topk_coo(
                 flat, k, out_idx=msg[:k].view(itype), out_val=msg[k:],
-                scratch=self.__dict__.setdefault("_select_scratch", {}))
+                scratch=self.scratch.select)
         return self._exchange(msg, k, real, flat, name, comm, x.shape)
 
     def _exchange(self, msg: np.ndarray, k: int, real: int, flat: np.ndarray, name: str, comm: Any,

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from .base import TensorState
+from .state import FillInState
 from .local_topk import LocalTopkSparsifier
 from .registry import register
 
@@ -35,6 +36,7 @@ class TopkDSA(LocalTopkSparsifier):
     """Local top-k + SparCML dynamic sparse allreduce (TopkDSA)."""
 
     name = "topk_dsa"
+    state_class = FillInState
     scatters = True     # reduce_scatter: the sparse reduce-scatter alone
 
     def _sum_selections(self, comm: Any, flat: np.ndarray, idx: np.ndarray, k: int,
@@ -44,7 +46,7 @@ class TopkDSA(LocalTopkSparsifier):
 
         total, info = dsa_allreduce(comm, idx, flat[idx], flat.size,
                                     scatter_only=self._scatter_block(flat, comm) is not None)
-        state["fill_in"] = int(info["nnz"])
+        state.fill_in = int(info["nnz"])
         return total / flat.dtype.type(comm.size), idx
 
 

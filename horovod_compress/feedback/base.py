@@ -3,8 +3,10 @@
 A feedback scheme decides what a method compresses and what the optimizer
 receives. It calls ``method._reduce(x, name, comm, state) -> (avg, local)``
 (see :mod:`horovod_compress.compressors.base`) on the vector of its choice and
-keeps its own per-tensor memory in the method's ``TensorState`` under keys
-starting with ``fb_`` (so it is checkpointed with the method).
+keeps its own per-tensor memory in the ``feedback`` field of the method's
+``TensorState``: an instance of its ``state_class``
+(:mod:`horovod_compress.feedback.state`), checkpointed with the method under
+keys starting with ``fb_``.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import inspect
 from typing import Any, Callable, ClassVar
 
 import numpy as np
+
+from .state import FeedbackState
 
 _REGISTRY: dict[str, Callable[..., "Feedback"]] = {}
 
@@ -65,16 +69,30 @@ class Feedback:
     #: whether :meth:`reduce` reads the ``local`` that ``method._reduce`` returns (methods whose
     #: ``local`` costs a pass over the gradient may return ``None`` when it does not)
     uses_local: ClassVar[bool] = False
+    #: what this scheme remembers of a tensor (:mod:`horovod_compress.feedback.state`)
+    state_class: ClassVar[type[FeedbackState]] = FeedbackState
 
     def __init__(self, method: str = "") -> None:
         self.method = method
 
-    def reduce(self, method: Any, x: np.ndarray, name: str, comm: Any, state: dict) -> np.ndarray:
+    def new_state(self) -> FeedbackState:
+        """This scheme's empty memory of a new tensor."""
+        return self.state_class()
+
+    def memory(self, state: Any) -> Any:
+        """This scheme's memory in a method's tensor ``state`` (created if the state holds
+        another scheme's, e.g. a state built without the method)."""
+        fb = state.feedback
+        if type(fb) is not self.state_class:
+            fb = state.feedback = self.new_state()
+        return fb
+
+    def reduce(self, method: Any, x: np.ndarray, name: str, comm: Any, state: Any) -> np.ndarray:
         """Return what the optimizer receives for input ``x`` (the average estimate)."""
         avg, _local = method._reduce(x, name, comm, state)
         return avg
 
-    def on_dense_step(self, x: np.ndarray, avg: np.ndarray, state: dict) -> None:
+    def on_dense_step(self, x: np.ndarray, avg: np.ndarray, state: Any) -> None:
         """Called after a dense (warm-up) step; schemes with trackers sync them here."""
 
     def params(self) -> dict[str, Any]:

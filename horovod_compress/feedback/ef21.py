@@ -20,8 +20,9 @@ returns, so any method works; the only message is that method's compressed
 allreduce. Every rank holds the same G (it adds the same allreduced vectors),
 and the optimizer receives G.
 
-State (in the method's per-tensor state, checkpointed with it): ``fb_h``
-(EF21M only), ``fb_g`` (g_i), ``fb_G`` (G). On the first compressed step of a
+State (:class:`~horovod_compress.feedback.state.EF21State` in the method's
+per-tensor state, checkpointed with it as ``fb_h``, ``fb_g``, ``fb_G``):
+``h`` (h_i, EF21M only), ``g`` (g_i), ``G`` (G). On the first compressed step of a
 tensor without state they start at zero (EF21's g_i^0 = 0 choice), so early
 directions are scaled by the momentum's warm-up like a zero-initialised EMA.
 
@@ -56,6 +57,7 @@ from ..params import check_float
 from ..kernels.arrays import get_array_module
 from ..kernels.feedback import fusable, momentum_diff, track_and_copy
 from .base import Feedback, register_feedback
+from .state import EF21State
 
 
 def _fits(arr: Any, like: Any) -> bool:
@@ -70,6 +72,7 @@ class EF21M(Feedback):
 
     name = "ef21m"
     uses_local = True
+    state_class = EF21State
 
     def __init__(self, method: str = "", eta: float = 0.1) -> None:
         super().__init__(method)
@@ -79,32 +82,36 @@ class EF21M(Feedback):
     def params(self) -> dict[str, Any]:
         return {"eta": self.eta}
 
-    def trackers_fit(self, state: dict, like: Any) -> bool:
+    def trackers_fit(self, state: Any, like: Any) -> bool:
         """Whether every tracker this scheme keeps in ``state`` exists and fits ``like`` (so
         :meth:`reduce` re-creates none of them: a step that changes no state before its
         first collective)."""
-        keys = ["fb_g", "fb_G"] + ([] if self.eta == 1.0 and self.name == "ef21" else ["fb_h"])
-        return all(_fits(state.get(k), like) for k in keys)
+        fb = state.feedback
+        if type(fb) is not self.state_class:
+            return False
+        attrs = ["g", "G"] + ([] if self.eta == 1.0 and self.name == "ef21" else ["h"])
+        return all(_fits(getattr(fb, a), like) for a in attrs)
 
-    @staticmethod
-    def _tracker(state: dict, key: str, like: np.ndarray) -> np.ndarray:
-        arr = state.get(key)
+    def _tracker(self, state: Any, attr: str, like: np.ndarray) -> np.ndarray:
+        """Tracker ``attr`` of ``state``'s memory, (re-)created at zero unless it fits ``like``."""
+        memory = self.memory(state)
+        arr = getattr(memory, attr)
         if not _fits(arr, like):
             arr = get_array_module(like).zeros_like(like)
-            state[key] = arr
+            setattr(memory, attr, arr)
         return arr
 
-    def _momentum(self, x: np.ndarray, state: dict) -> np.ndarray:
+    def _momentum(self, x: np.ndarray, state: Any) -> np.ndarray:
         """Eq. (11a): h_i <- (1 - eta) h_i + eta x_i, in place in ``state``."""
-        h = self._tracker(state, "fb_h", x)
+        h = self._tracker(state, "h", x)
         h *= h.dtype.type(1.0 - self.eta)
         h += h.dtype.type(self.eta) * x
         return h
 
-    def reduce(self, method: Any, x: np.ndarray, name: str, comm: Any, state: dict) -> np.ndarray:
-        g = self._tracker(state, "fb_g", x)
-        big_g = self._tracker(state, "fb_G", x)
-        h = x if self.eta == 1.0 and self.name == "ef21" else self._tracker(state, "fb_h", x)
+    def reduce(self, method: Any, x: np.ndarray, name: str, comm: Any, state: Any) -> np.ndarray:
+        g = self._tracker(state, "g", x)
+        big_g = self._tracker(state, "G", x)
+        h = x if self.eta == 1.0 and self.name == "ef21" else self._tracker(state, "h", x)
         fused = getattr(method, "_reduce_ef21", None)
         if fused is not None:
             # the method runs (11a)-(11c) inside its own passes (ARC-Top-K: with the sketch;
@@ -130,11 +137,12 @@ class EF21M(Feedback):
         big_g += avg_c                       # (11c): G = avg_i g_i
         return big_g.copy()
 
-    def on_dense_step(self, x: np.ndarray, avg: np.ndarray, state: dict) -> None:
+    def on_dense_step(self, x: np.ndarray, avg: np.ndarray, state: Any) -> None:
         """Re-initialise h_i = g_i = x_i and G = avg (see the module docstring)."""
-        state["fb_h"] = x.copy()
-        state["fb_g"] = x.copy()
-        state["fb_G"] = avg.copy()
+        memory = self.memory(state)
+        memory.h = x.copy()
+        memory.g = x.copy()
+        memory.G = avg.copy()
 
 
 @register_feedback
@@ -149,9 +157,10 @@ class EF21(EF21M):
     def params(self) -> dict[str, Any]:
         return {}
 
-    def _momentum(self, x: np.ndarray, state: dict) -> np.ndarray:
+    def _momentum(self, x: np.ndarray, state: Any) -> np.ndarray:
         return x
 
-    def on_dense_step(self, x: np.ndarray, avg: np.ndarray, state: dict) -> None:
-        state["fb_g"] = x.copy()
-        state["fb_G"] = avg.copy()
+    def on_dense_step(self, x: np.ndarray, avg: np.ndarray, state: Any) -> None:
+        memory = self.memory(state)
+        memory.g = x.copy()
+        memory.G = avg.copy()

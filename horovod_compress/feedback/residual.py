@@ -21,6 +21,7 @@ import numpy as np
 from ..kernels.arrays import get_array_module
 from ..mpi_collectives import timeline as _timeline
 from .base import Feedback, register_feedback
+from .state import ResidualState
 
 
 @register_feedback
@@ -37,6 +38,7 @@ class ResidualFeedback(Feedback):
     """
     name = "residual"
     uses_local = True
+    state_class = ResidualState
 
     def __init__(self, method: str = "") -> None:
         super().__init__(method)
@@ -44,9 +46,10 @@ class ResidualFeedback(Feedback):
         # (two buffers alternate, so no step allocates and faults in a fresh n-element array)
         self._spare: dict[str, np.ndarray] = {}
 
-    def reduce(self, method: Any, x: np.ndarray, name: str, comm: Any, state: dict) -> np.ndarray:
+    def reduce(self, method: Any, x: np.ndarray, name: str, comm: Any, state: Any) -> np.ndarray:
         xp = get_array_module(x)
-        e = state.get("fb_residual")
+        memory = self.memory(state)
+        e = memory.residual
         result = None
         if e is not None and e.shape == x.shape and e.dtype == x.dtype:
             spare = self._spare.get(name)
@@ -64,11 +67,11 @@ class ResidualFeedback(Feedback):
             acc = x.copy()
         avg, local = result if result is not None else method._reduce(acc, name, comm, state)
         if result is not None and local is None:   # the fused method left acc - local in acc
-            state["fb_residual"] = acc
+            memory.residual = acc
             return avg
         with _timeline.span("feedback.residual", "feedback"):
             self._forget_sent(method, acc, local, name, xp)
-        state["fb_residual"] = acc
+        memory.residual = acc
         return avg
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""``hvd.elastic`` for Keras 3 on a fixed MPI world (see :mod:`horovod_compress.horovod_elastic`).
+"""``hvd.elastic`` for Keras 3 on a fixed MPI world (see :mod:`horovod_compress.horovod_api.elastic`).
 
 ``KerasState(model, optimizer, **attrs)`` (= ``TensorFlowKerasState``),
 the callbacks that commit and track batch/epoch, and ``@run``.

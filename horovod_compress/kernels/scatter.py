@@ -354,7 +354,7 @@ class RowScratch:
 
 def row_local(method: object, name: str, block: np.ndarray, rows: np.ndarray, m: int) -> np.ndarray:
     """``[block]_{rows,:}`` as an m x n NumPy matrix in a per-(method, tensor) :class:`RowScratch`."""
-    scratch = method.__dict__.setdefault("_row_scratch", {}).setdefault(name, RowScratch())
+    scratch = method.scratch.rows.setdefault(name, RowScratch())
     return scratch.fill(block, rows, m)
 
 

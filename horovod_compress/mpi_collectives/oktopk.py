@@ -608,16 +608,18 @@ def _local_selection(acc: Any, addends: tuple[np.ndarray, np.ndarray] | None, th
 
 
 def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
-                        state: MutableMapping[str, Any],
+                        state: Any,
                         schedule: OkTopkSchedule = OkTopkSchedule(), *,
                         addends: tuple[np.ndarray, np.ndarray] | None = None,
                         scratch: MutableMapping[str, Any] | None = None,
                         gate: Callable[[bool | None], None] | None = None) -> OkTopkResult:
     """Algorithm 1 on this rank's flat accumulator ``acc`` at sparse step ``step`` (1-based).
 
-    ``state`` holds ``local_th``, ``global_th`` and ``boundaries`` between
-    calls (and gets this step's ``local_count``, ``global_count``,
-    ``local_count_reused`` and ``global_count_reused``); it must be the same
+    ``state`` (the method's ``OkTopkState``: attributes, ``None`` until set)
+    holds ``local_th``, ``global_th``, ``boundaries`` and the agreed
+    ``next_boundaries`` (for step ``next_boundaries_step``) between calls,
+    and gets this step's ``local_count``, ``global_count``,
+    ``local_count_reused`` and ``global_count_reused``; it must be the same
     tensor's state on every rank. ``k`` may exceed ``acc.size`` (then every
     nonzero entry is selected).
 
@@ -648,8 +650,8 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
     first_of_period = (step - 1) % schedule.tau_prime == 0
 
     # lines 2-4: local threshold, exact every tau' steps, reused (and nudged) otherwise
-    th = float(state.get("local_th", 0.0))
-    exact_local = first_of_period or "local_th" not in state or th <= 0.0
+    th = float(state.local_th or 0.0)
+    exact_local = first_of_period or state.local_th is None or th <= 0.0
     with timeline.span("oktopk.local_selection", "compress", exact=bool(exact_local)) as where:
         idx, val, th, local_reused, exact_local = _local_selection(
             acc, addends, th, exact_local, k, schedule.local_guard, scratch, gate)
@@ -657,16 +659,19 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
             where.update(k=int(k), selected=int(idx.size), selected_by_reused=int(local_reused),
                          re_evaluated=bool(exact_local))
     idx, val = to_host(idx), to_host(val)
-    state["local_th"] = (th if exact_local else
-                         _nudge(th, idx.size, k, schedule.low, schedule.high,
-                                schedule.local_scale, schedule.local_scale))
+    state.local_th = (th if exact_local else
+                      _nudge(th, idx.size, k, schedule.low, schedule.high,
+                             schedule.local_scale, schedule.local_scale))
 
     # lines 5-7: region boundaries every tau steps (or when missing / for another size).
     # A due repartition normally arrives agreed already: the proposals rode on the
     # previous step's count allgather (see _count_message); else one allreduce here.
-    bounds = state.get("boundaries")
-    ahead = state.pop("next_boundaries", None)
-    ahead_ok = (ahead is not None and state.pop("next_boundaries_step", None) == step
+    bounds = state.boundaries
+    ahead, ahead_step = state.next_boundaries, state.next_boundaries_step
+    state.next_boundaries = None                  # used on this step or never
+    if ahead is not None:
+        state.next_boundaries_step = None
+    ahead_ok = (ahead is not None and ahead_step == step
                 and len(ahead) == p + 1 and int(ahead[-1]) == n)
     if ahead_ok:
         bounds = np.asarray(ahead, dtype=np.int64)
@@ -674,7 +679,7 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
             or int(bounds[-1]) != n):
         with comm.phase("oktopk.space_repartition"):
             bounds = agree_boundaries(comm, local_region_boundaries(idx, n, p))
-    state["boundaries"] = bounds
+    state.boundaries = bounds
     bounds = np.asarray(bounds, dtype=np.int64)
     propose = p > 1 and repartition_due(step + 1, schedule)
 
@@ -688,7 +693,7 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
             nxt = np.empty(p + 1, dtype=np.int64)
             nxt[0], nxt[p] = 0, n
             nxt[1:p] = rows[:, 2:].sum(axis=0) // p      # = agree_boundaries' rounding
-            state["next_boundaries"], state["next_boundaries_step"] = nxt, step + 1
+            state.next_boundaries, state.next_boundaries_step = nxt, step + 1
         return rows[:, 0].copy(), int(rows[:, 1].max())
 
     # line 8: split and reduce
@@ -696,8 +701,8 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
         red_idx, red_val = split_and_reduce(comm, idx, val, bounds, schedule.bucket_size)
 
     # lines 9-13: global threshold and balance-and-allgatherv
-    gth = float(state.get("global_th", 0.0))
-    exact_global = first_of_period or "global_th" not in state or gth <= 0.0
+    gth = float(state.global_th or 0.0)
+    exact_global = first_of_period or state.global_th is None or gth <= 0.0
     balanced = False
     if exact_global:
         with comm.phase("oktopk.threshold_allgatherv"):
@@ -708,7 +713,7 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
         pos, u_val = select_by_threshold(u_val_all, gth)
         u_idx = u_idx_all[pos]
         global_reused = int(u_idx.size)
-        state["global_th"] = gth
+        state.global_th = gth
     else:
         with comm.phase("oktopk.balance_and_allgatherv"):
             g_idx, g_val, top = filter_at_least(red_idx, red_val, gth)
@@ -733,17 +738,17 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
             now = time.perf_counter()
             rec.add("oktopk.global_counts", timeline.PHASE, now, now,
                     {"counts": [int(c) for c in counts], "balanced": bool(balanced)})
-        state["global_th"] = (gth if exact_global else
-                              _nudge(gth, u_idx.size, k, schedule.low, schedule.high,
-                                     schedule.global_scale_up, schedule.global_scale_down))
+        state.global_th = (gth if exact_global else
+                           _nudge(gth, u_idx.size, k, schedule.low, schedule.high,
+                                  schedule.global_scale_up, schedule.global_scale_down))
 
     # line 14: which local entries made it into u
     # (both ascending: one merge, no sort)
     involved = intersect_sorted(idx, u_idx)
-    state["local_count"] = int(idx.size)
-    state["global_count"] = int(u_idx.size)
-    state["local_count_reused"] = local_reused
-    state["global_count_reused"] = global_reused
+    state.local_count = int(idx.size)
+    state.global_count = int(u_idx.size)
+    state.local_count_reused = local_reused
+    state.global_count_reused = global_reused
     return OkTopkResult(u_idx, u_val, involved, int(idx.size), int(u_idx.size),
                         local_reused, global_reused, exact_local, exact_global, balanced)
 

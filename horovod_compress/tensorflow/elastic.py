@@ -1,4 +1,4 @@
-"""``hvd.elastic`` for TensorFlow on a fixed MPI world (see :mod:`horovod_compress.horovod_elastic`).
+"""``hvd.elastic`` for TensorFlow on a fixed MPI world (see :mod:`horovod_compress.horovod_api.elastic`).
 
 ``TensorFlowKerasState(model, optimizer, **attrs)`` and
 ``TensorFlowState(variables, **attrs)`` sync their variables from rank 0

@@ -1,4 +1,4 @@
-"""``hvd.elastic`` for PyTorch on a fixed MPI world (see :mod:`horovod_compress.horovod_elastic`).
+"""``hvd.elastic`` for PyTorch on a fixed MPI world (see :mod:`horovod_compress.horovod_api.elastic`).
 
 ``TorchState(model, optimizer, **attrs)``, ``ElasticSampler`` and
 ``@run`` keep Horovod's meaning at a fixed world size: ``run`` broadcasts
