@@ -309,7 +309,8 @@ def test_float_sum_is_the_chain(world):
             assert r["chain"], (p, rank, key)
             if p == 2:      # one addition, commutative: MPI's bits
                 assert r["mpi_equal"], (p, rank, key)
-            assert r["bytes"] == pytest.approx(r["expected"]), (p, rank, key, r)
+            # whole bytes of this rank's chunks: within two float32 of 2N(P-1)/P
+            assert r["bytes"] == pytest.approx(r["expected"], abs=2 * 4), (p, rank, key, r)
 
 
 def test_arc_rows_through_the_window(world):
