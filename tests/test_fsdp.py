@@ -113,12 +113,13 @@ def test_fsdp_bytes_against_dense_reduce_scatter(fsdp_run):
         assert table[half]["sent"] == pytest.approx(dense / 2)
     for label, row in table.items():
         if row["formula"] is not None:
-            assert row["sent"] == pytest.approx(row["formula"]), (label, row)
-    for r in range(1, p):       # the volume model counts the same on every rank
+            # ring allreduces count this rank's whole chunks: within two elements a call
+            assert row["sent"] == pytest.approx(row["formula"], abs=64), (label, row)
+    for r in range(1, p):       # the volume model counts the same on every rank (to the ring's chunks)
         for label in table:
             if label not in ("topk", "gaussiank", "topk_dsa", "oktopk", "deepreduce", "qsgd",
                              "gtopk", "randk"):
-                assert res[r]["bytes"][label]["sent"] == pytest.approx(table[label]["sent"])
+                assert res[r]["bytes"][label]["sent"] == pytest.approx(table[label]["sent"], abs=64)
 
 
 def test_fsdp_digits_reaches_ddp_accuracy(tmp_path):

@@ -162,7 +162,8 @@ def test_method_reduce_scatter_is_the_block_of_its_allreduce(world):
             else:
                 assert r["diff"] < 1e-5, (p, rank, label, r)
             if r["formula"] is not None:
-                assert r["sent"] == pytest.approx(r["formula"]), (p, rank, label, r)
+                # a ring allreduce counts this rank's whole chunks: within two elements a call
+                assert r["sent"] == pytest.approx(r["formula"], abs=4 * 16), (p, rank, label, r)
             if r["scatters"]:
                 assert r["sent"] < r["whole_sent"], (p, rank, label, r)
             else:

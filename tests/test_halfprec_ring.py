@@ -194,8 +194,9 @@ def test_ring_bytes_match_the_allreduce(world):
     p, res = world
     for rank, per_rank in res["case_ring_matches_chain"].items():
         for key, r in per_rank.items():
-            assert r["bytes"] == pytest.approx(r["expected"]), (p, rank, key, r)
-            assert r["bytes"] == pytest.approx(r["old_bytes"]), (p, rank, key, r)
+            # whole bytes of this rank's chunks: within two 16-bit words of 2N(P-1)/P
+            assert r["bytes"] == pytest.approx(r["expected"], abs=2 * 2), (p, rank, key, r)
+            assert r["bytes"] == r["old_bytes"], (p, rank, key, r)      # the same chunks as MPI's
 
 
 def test_hardware_conversions_match_the_software_rule():

@@ -130,7 +130,9 @@ def case_fit_every_method(comm):
         assert res["dense_bytes_per_step"] == dense_bytes_per_step(res["num_params"], comm.size)
         if name in EXACT_BYTES:
             want = method.expected_bytes((res["num_params"],), comm.size)
-            assert res["bytes_sent_per_step"] == want, (name, res["bytes_sent_per_step"], want)
+            # this rank's whole chunks of the ring: within two elements of the formula (its mean)
+            assert res["bytes_sent_per_step"] == pytest.approx(want, abs=2 * 4), \
+                (name, res["bytes_sent_per_step"], want)
         report[name] = {"acc": res["test_accuracy"], "sgd": group, "ratio": res["compression_ratio"],
                         "ms_per_step": 1e3 * res["seconds_per_step"]}
     assert set(res) == {"test_accuracy", "train_loss", "history", "steps", "num_params",
@@ -196,7 +198,10 @@ def case_callbacks(comm):
     n = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
     dense_step = 2.0 * n * 4 * (p - 1) / p
     topk_step = method.expected_bytes((n,), p)
-    assert rec.step_bytes == [dense_step] * 3 + [topk_step] * 5, rec.step_bytes
+    # dense steps: this rank's whole chunks of the ring, within two float32 of the formula
+    assert rec.step_bytes[:3] == pytest.approx([dense_step] * 3, abs=2 * 4), rec.step_bytes
+    assert all(isinstance(b, int) for b in rec.step_bytes), rec.step_bytes
+    assert rec.step_bytes[3:] == [topk_step] * 5, rec.step_bytes
     assert method.state["bucket0"].t == 5
     # stats: bytes per epoch, ratio against dense, error (~0 when dense, large for topk)
     h = hist.history
@@ -232,9 +237,12 @@ def case_warmup_epochs(comm):
         hvdc_keras.CompressionWarmupCallback(epochs=1), hvdc_keras.CompressionStatsCallback()])
     n = sum(int(np.prod(w.shape)) for w in model.trainable_weights)
     h = hist.history
-    assert h["hvdc_bytes_sent"] == [2 * 2.0 * n * 4 * (p - 1) / p,
-                                    2 * method.expected_bytes((n,), p)], h["hvdc_bytes_sent"]
-    assert h["hvdc_compression_ratio"][0] == 1.0 and h["hvdc_compression_ratio"][1] > 3
+    assert h["hvdc_bytes_sent"] == pytest.approx([2 * 2.0 * n * 4 * (p - 1) / p,
+                                                  2 * method.expected_bytes((n,), p)], abs=64), \
+        h["hvdc_bytes_sent"]
+    # dense epoch: the ratio of the formula to this rank's whole-chunk count, 1 to the rounding
+    assert h["hvdc_compression_ratio"][0] == pytest.approx(1.0, rel=2e-3) \
+        and h["hvdc_compression_ratio"][1] > 3
     return h["hvdc_compression_ratio"]
 
 

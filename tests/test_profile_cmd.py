@@ -83,3 +83,21 @@ def test_profile_script_errors_are_clear(tmp_path, monkeypatch, capsys):
         with pytest.raises(SystemExit) as info:
             main(["profile", "--np", "1", *argv])
         assert info.value.code == 2 and words in capsys.readouterr().err, argv
+
+
+def test_device_plumbing_moves_model_and_batches_and_keeps_wall_times(tmp_path):
+    """What ``--device cuda`` changes, checked on PyTorch's ``meta`` device (no GPU here): the
+    model and every batch go to the device, and the profile keeps wall times, not CPU times."""
+    torch = pytest.importorskip("torch")
+    from horovod_compress.tools.bench.profile_cmd import _kept
+    from horovod_compress.tools.bench.workload import script_workload
+    (tmp_path / "my_cnn.py").write_text(USER_MODEL)
+    workload = script_workload(tmp_path / "my_cnn.py", device="meta")
+    model = workload.model()
+    assert all(p.device.type == "meta" for p in model.parameters())
+    x, y = workload.step_batch(1, 3)
+    assert x.device.type == y.device.type == "meta" and x.shape == (8, 3, 32, 32)
+    assert workload.loss(model, x, y).device.type == "meta"
+    summary = {"compute_s": 0.5, "compress_s": 0.25, "compute_cpu_s": 0.01, "compress_cpu_s": 0.02}
+    assert _kept(summary, "cuda")["compute_cpu_s"] == 0.5 and _kept(summary, "cuda")["compress_cpu_s"] == 0.25
+    assert _kept(summary, "cpu")["compute_cpu_s"] == 0.01 and _kept(summary, "cpu")["compress_cpu_s"] == 0.02

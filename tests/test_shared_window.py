@@ -249,8 +249,10 @@ def test_global_qsgd_window_gives_the_rings_bits(world):
             assert per["on"]["digests"] == per["off"]["digests"], (p, rank, key)
             assert per["on"]["residual"] == per["off"]["residual"], (p, rank, key)
             assert per["same_on_ranks"], (p, rank, key)
-            for t in ("on", "off"):
-                assert per[t]["payload"] == pytest.approx(per["expected_payload"]), (p, rank, key, t)
+            for t in ("on", "off"):      # this rank's whole bytes: within two of 2N(P-1)/P
+                assert per[t]["payload"] == pytest.approx(per["expected_payload"], abs=2), \
+                    (p, rank, key, t)
+            assert per["on"]["payload"] == per["off"]["payload"], (p, rank, key)   # the same chunks
 
 
 def test_back_to_back_calls_never_mix_steps(world):
@@ -309,7 +311,8 @@ def test_float_sum_is_the_chain(world):
             assert r["chain"], (p, rank, key)
             if p == 2:      # one addition, commutative: MPI's bits
                 assert r["mpi_equal"], (p, rank, key)
-            assert r["bytes"] == pytest.approx(r["expected"]), (p, rank, key, r)
+            # whole bytes of this rank's chunks: within two float32 of 2N(P-1)/P
+            assert r["bytes"] == pytest.approx(r["expected"], abs=2 * 4), (p, rank, key, r)
 
 
 def test_arc_rows_through_the_window(world):

@@ -17,9 +17,8 @@
    reference and is not checked.
 3. Generated sections: a page may hold a marker comment that is replaced at
    build time -- ``<!-- hvdc:methods-table -->`` (every method's parameters and
-   defaults, read from the registry) and ``<!-- hvdc:model-tables -->`` (the
-   alpha-beta model's tables that ``hvdc model --out benchmarks/model_*.md``
-   wrote, with links).
+   defaults, read from the registry). The alpha-beta model's predictions per
+   network are the generated page ``docs/choosing.md``.
 """
 from __future__ import annotations
 
@@ -146,26 +145,6 @@ def _methods_table() -> str:
     return "\n".join(rows)
 
 
-def _model_tables(page_src: str) -> str:
-    tables = sorted((ROOT / "benchmarks").glob("model_*.md"))
-    if not tables:
-        return ("*No `benchmarks/model_*.md` yet: run `hvdc bench all` (or `hvdc model --out "
-                "benchmarks/model_<network>.md` after `hvdc bench e2e`) to produce them.*")
-    here = (ROOT / page_src).parent
-    parts = []
-    for path in tables:
-        rel = os.path.relpath(path, here).replace(os.sep, "/")
-        text = path.read_text()
-        body = re.sub(r"^# .*\n", "", text, count=1)            # drop the page's own title
-        body = re.sub(r"^(#+) ", lambda m: "#" * min(6, len(m.group(1)) + 2) + " ", body, flags=re.M)
-        # the included page's own relative links point from benchmarks/: re-base them
-        body = re.sub(r"\]\((?!https?:|#|/)([^)]+)\)",
-                      lambda m: "](" + os.path.relpath(path.parent / m.group(1), here).replace(os.sep, "/") + ")",
-                      body)
-        parts.append(f"### [{path.stem}]({rel})\n\n{body.strip()}\n")
-    return "\n".join(parts)
-
-
 _DIR_LINK = re.compile(r"\]\((?!https?:|/|#)([^)\s#]*/)(#[^)\s]*)?\)")
 
 
@@ -191,6 +170,4 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         page.meta.setdefault("hide", ["toc"])
     if "<!-- hvdc:methods-table -->" in markdown:
         markdown = markdown.replace("<!-- hvdc:methods-table -->", _methods_table())
-    if "<!-- hvdc:model-tables -->" in markdown:
-        markdown = markdown.replace("<!-- hvdc:model-tables -->", _model_tables(page.file.src_uri))
     return markdown

@@ -7,8 +7,10 @@ same semantics as :class:`~horovod_compress.mpi_collectives.Communicator`
 (mpi4py), so a method's byte counts compare across backends. The volume model
 is that of the Ok-Topk paper (Renggli et al. / Li and Hoefler, "Near-Optimal
 Sparse Allreduce for Distributed Deep Learning", PPoPP 2022, Table 1):
-point-to-point and alltoall(v) exact, allreduce of N bytes 2N(P-1)/P each way,
-allgather(v) the other ranks' parts (ring), broadcast N.
+point-to-point and alltoall(v) exact, allreduce of N bytes 2N(P-1)/P each way
+(on average over the ranks: each rank counts the whole chunks of the ring it
+really sends and receives, :func:`ring_allreduce_rank_bytes`), allgather(v) the
+other ranks' parts (ring), broadcast N. Every counter is a whole number of bytes.
 """
 from __future__ import annotations
 
@@ -26,18 +28,18 @@ class OpStats:
     """Calls and bytes of one kind of operation (or one phase) on this rank."""
 
     calls: int = 0
-    sent: float = 0.0
-    received: float = 0.0
+    sent: int = 0
+    received: int = 0
 
-    def as_dict(self) -> dict[str, float]:
+    def as_dict(self) -> dict[str, int]:
         """``{"calls", "sent", "received"}`` as a plain dict."""
         return {"calls": self.calls, "sent": self.sent, "received": self.received}
 
 
 @dataclass
 class _Stats:
-    sent: float = 0.0
-    received: float = 0.0
+    sent: int = 0
+    received: int = 0
     by_op: dict[str, OpStats] = field(default_factory=dict)
     by_phase: dict[str, OpStats] = field(default_factory=dict)
 
@@ -104,6 +106,35 @@ def allreduce_volume(nbytes: float, p: int) -> float:
     return 2.0 * nbytes * (p - 1) / p
 
 
+def ring_allreduce_rank_bytes(nbytes: int, p: int, rank: int, item: int = 1) -> tuple[int, int]:
+    """Bytes rank ``rank`` sends and receives in a ring allreduce of ``nbytes`` over ``p`` ranks.
+
+    The ring (Patarasuk and Yuan, "Bandwidth optimal all-reduce algorithms for clusters of
+    workstations", J. Parallel Distrib. Comput. 69(2), 2009, section 3) cuts the
+    n = nbytes / item elements into p contiguous chunks, the first n mod p of them one element
+    longer: chunk j has c_j elements. In its reduce-scatter, chunk j travels j+1 -> j+2 -> ...
+    -> j (p - 1 hops) and ends reduced on rank j, so rank r sends every chunk but c_r and
+    receives every chunk but c_(r-1); in its allgather chunk j travels j -> j+1 -> ... -> j-1,
+    so rank r sends every chunk but c_(r+1) and receives every chunk but c_r:
+
+        sent = (2n - c_r - c_(r+1)) item,   received = (2n - c_(r-1) - c_r) item.
+
+    Summed over the ranks both are 2n(p-1) items, so their mean is :func:`allreduce_volume`'s
+    2N(P-1)/P exactly, and each rank's count is within 2 items of it (equal to it when p
+    divides n). ``p = 1`` moves nothing.
+    """
+    if p <= 1:
+        return 0, 0
+    n = int(nbytes) // item
+    base, longer = divmod(n, p)
+
+    def chunk(j: int) -> int:
+        return base + (1 if j % p < longer else 0)
+    sent = 2 * n - chunk(rank) - chunk(rank + 1)
+    received = 2 * n - chunk(rank - 1) - chunk(rank)
+    return sent * item, received * item
+
+
 def reduce_scatter_volume(nbytes: float, p: int) -> float:
     """Bytes one rank sends, and receives, in a ring reduce-scatter of ``nbytes`` over ``p``
     ranks (every rank ends with one of ``p`` equal blocks reduced): N(P-1)/P, the first half of
@@ -127,13 +158,13 @@ class Accounting(PhaseLabel):
         self._timing_depth = threading.local()
 
     @property
-    def bytes_sent(self) -> float:
-        """Cumulative bytes this rank sent under the volume model."""
+    def bytes_sent(self) -> int:
+        """Cumulative bytes this rank sent under the volume model (a whole number)."""
         return self._stats.sent
 
     @property
-    def bytes_received(self) -> float:
-        """Cumulative bytes this rank received under the volume model."""
+    def bytes_received(self) -> int:
+        """Cumulative bytes this rank received under the volume model (a whole number)."""
         return self._stats.received
 
     def stats(self) -> dict[str, Any]:
@@ -261,6 +292,7 @@ class Accounting(PhaseLabel):
     def _account(self, op: str, sent: float, received: float) -> None:
         if getattr(self, "_suspended", 0):
             return
+        sent, received = _whole(sent, op), _whole(received, op)
         rec = _timeline.recorder
         if rec is not None:
             rec.add_bytes(op, sent, received)
@@ -277,8 +309,18 @@ class Accounting(PhaseLabel):
                 ph.sent += sent
                 ph.received += received
 
-    def _allreduce_volume(self, nbytes: int) -> float:
-        return allreduce_volume(nbytes, self.size)
+    def _allreduce_bytes(self, nbytes: int, item: int = 1) -> tuple[int, int]:
+        """(sent, received) of this rank in a ring allreduce of ``nbytes`` in elements of
+        ``item`` bytes (:func:`ring_allreduce_rank_bytes`)."""
+        return ring_allreduce_rank_bytes(nbytes, self.size, self.rank, item)
+
+
+def _whole(nbytes: float, op: str) -> int:
+    """``nbytes`` as an int; a fractional byte count is a bug in the caller's accounting."""
+    whole = int(nbytes)
+    if whole != nbytes:
+        raise ValueError(f"{op}: a byte count must be a whole number, got {nbytes!r}")
+    return whole
 
 
 class FusingAccounting(Accounting):
@@ -307,4 +349,4 @@ class FusingAccounting(Accounting):
             self._phase = previous
 
 
-__all__ = ["Accounting", "FusingAccounting", "OpStats", "allreduce_volume"]
+__all__ = ["Accounting", "FusingAccounting", "OpStats", "allreduce_volume", "ring_allreduce_rank_bytes"]

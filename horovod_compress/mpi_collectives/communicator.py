@@ -6,8 +6,9 @@ measured count compares directly with the papers' formulas:
 * point-to-point and ``alltoallv`` count exactly the bytes sent and received
   (a rank's message to itself is free);
 * a collective counts what its bandwidth-optimal algorithm moves per rank:
-  ``allreduce`` of N bytes is ``2N(P-1)/P`` each way (reduce-scatter +
-  allgather ring), ``allgather(v)`` receives every other rank's part and sends,
+  ``allreduce`` of N bytes is ``2N(P-1)/P`` each way on average over the
+  ranks (reduce-scatter + allgather ring; each rank counts the whole chunks it
+  sends and receives, ``accounting.ring_allreduce_rank_bytes``), ``allgather(v)`` receives every other rank's part and sends,
   in a ring, everything except its successor's part, ``broadcast`` of N bytes
   is N sent by the root and N received by every other rank.
 
@@ -110,7 +111,8 @@ class Communicator(FusingAccounting):
         """Elementwise reduction over ranks; ``op`` is sum/max/min/prod/avg or an ``MPI.Op``.
 
         ``avg`` sums then divides by P in the array's dtype (floats only).
-        Counts ``2N(P-1)/P`` bytes each way for N bytes.
+        Counts this rank's whole chunks of the ring: ``2N(P-1)/P`` bytes each way for
+        N bytes on average over the ranks.
         """
         if is_gpu_array(array):
             return self.device.allreduce(array, op)
@@ -121,8 +123,7 @@ class Communicator(FusingAccounting):
         out = np.empty_like(send)
         with self.in_mpi("allreduce"):
             self.comm.Allreduce(send, out, op=mpi_op)
-        vol = self._allreduce_volume(send.nbytes)
-        self._account("allreduce", vol, vol)
+        self._account("allreduce", *self._allreduce_bytes(send.nbytes, send.itemsize))
         if op in ("avg", "average"):
             if not np.issubdtype(out.dtype, np.floating):
                 raise ValueError("op='avg' needs a floating-point array")
@@ -141,8 +142,7 @@ class Communicator(FusingAccounting):
         out = np.empty_like(send)
         with self.in_mpi("allreduce"):
             req = self.comm.Iallreduce(send, out, op=mpi_op)
-        vol = self._allreduce_volume(send.nbytes)
-        self._account("allreduce", vol, vol)
+        self._account("allreduce", *self._allreduce_bytes(send.nbytes, send.itemsize))
         size = self.size
 
         def finish() -> np.ndarray:
@@ -209,8 +209,8 @@ class Communicator(FusingAccounting):
             self.comm.Alltoallv([send, send_counts, sdispl, mpitype], [recv, recv_counts, rdispl, mpitype])
         item = dtype.itemsize
         others = np.arange(self.size) != self.rank
-        sent = float(send_counts[others].sum() * item + 8 * (self.size - 1))
-        received = float(recv_counts[others].sum() * item + 8 * (self.size - 1))
+        sent = int(send_counts[others].sum()) * item + 8 * (self.size - 1)
+        received = int(recv_counts[others].sum()) * item + 8 * (self.size - 1)
         self._account("alltoallv", sent, received)
         return [recv[rdispl[j]:rdispl[j] + recv_counts[j]] for j in range(self.size)]
 
@@ -348,7 +348,7 @@ class Communicator(FusingAccounting):
         recv = np.empty_like(send)
         with self.in_mpi("alltoall"):
             self.comm.Alltoall(send, recv)
-        vol = float(send.nbytes // max(self.size, 1) * (self.size - 1))
+        vol = send.nbytes // max(self.size, 1) * (self.size - 1)
         self._account("alltoall", vol, vol)
         return recv
 
@@ -364,9 +364,9 @@ class Communicator(FusingAccounting):
         np.cumsum(counts[:-1], out=displs[1:])
         with self.in_mpi("allgatherv"):
             self.comm.Allgatherv(send, [out, counts, displs, MPI.BYTE])
-        total = float(counts.sum())
-        received = total - float(counts[self.rank])
-        sent = total - float(counts[(self.rank + 1) % self.size])
+        total = int(counts.sum())
+        received = total - int(counts[self.rank])
+        sent = total - int(counts[(self.rank + 1) % self.size])
         self._account("allgatherv", sent, received)
         return out
 
@@ -388,8 +388,7 @@ class Communicator(FusingAccounting):
         dtype, mpi_op = mpi_custom_op(op)
         with self.in_mpi("allreduce"):
             self.comm.Allreduce([send, words, dtype], [out, words, dtype], op=mpi_op)
-        vol = self._allreduce_volume(send.nbytes)
-        self._account("allreduce", vol, vol)
+        self._account("allreduce", *self._allreduce_bytes(send.nbytes, item))
         return out
 
     def reduce_scatter(self, array: np.ndarray, op: str = "sum") -> np.ndarray:

@@ -134,8 +134,8 @@ class DeviceCollectives:
         self.direct += 1
         out = empty_like(x)
         self.comm.comm.Allreduce(x, out, op=_NAMED_OPS[op] if isinstance(op, str) else op)
-        vol = self.comm._allreduce_volume(int(x.size) * np.dtype(x.dtype).itemsize)
-        self.comm.count("allreduce", vol, vol)
+        item = np.dtype(x.dtype).itemsize
+        self.comm.count("allreduce", *self.comm._allreduce_bytes(int(x.size) * item, item))
         if op in ("avg", "average"):
             _divide_inplace(out, self.comm.size)
         return out

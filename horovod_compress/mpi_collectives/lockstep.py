@@ -252,8 +252,7 @@ def _fused_allreduce(real: Any, group: list[_Call], op: str) -> None:
                 continue
             out = out / out.dtype.type(real.size)
         c.result = out
-        vol = real._allreduce_volume(p.nbytes)
-        real._account_as(c.phase, "allreduce", vol, vol)
+        real._account_as(c.phase, "allreduce", *real._allreduce_bytes(p.nbytes, p.itemsize))
 
 
 def _fused_allgather(real: Any, group: list[_Call]) -> None:

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..kernels.exp_reduce import exp_reduce4_into, exp_reduce8_into
 from ..kernels.quantize import nibble_add_into
-from .accounting import allreduce_volume
+from .accounting import ring_allreduce_rank_bytes
 from ..kernels.halfprec import add16_into
 
 
@@ -185,8 +185,7 @@ def allreduce_reduce_once(comm: Any, buf: np.ndarray, op: MPI.Op) -> np.ndarray:
         comm.comm.Reduce_scatter([send, MPI.UINT8_T], [mine, MPI.UINT8_T],
                                  recvcounts=[int(c) for c in counts], op=op)
         comm.comm.Allgatherv([mine, MPI.UINT8_T], [out, counts, displs, MPI.UINT8_T])
-    vol = allreduce_volume(send.nbytes, p)
-    comm.count("allreduce", vol, vol)
+    comm.count("allreduce", *ring_allreduce_rank_bytes(send.nbytes, p, rank))
     return out
 
 
@@ -404,8 +403,7 @@ def _ring(comm: Any, nbytes: int, counts: np.ndarray, segment_bytes: int, slice_
         wait(req)
     while work:
         run_one()
-    vol = allreduce_volume(nbytes, p)
-    comm.count("allreduce", vol, vol)
+    comm.count("allreduce", *ring_allreduce_rank_bytes(nbytes, p, comm.rank, itemsize))
     return result, total
 
 
@@ -525,8 +523,8 @@ def tree_reduce_once(comm: Any, own: np.ndarray,
     nbytes = own.size
     if p == 1:
         return own.copy(), 0
-    vol = allreduce_volume(nbytes, p)
-    with comm.counted_as("allreduce", vol, vol):    # the volume of the allreduce it replaces
+    sent, received = ring_allreduce_rank_bytes(nbytes, p, r)
+    with comm.counted_as("allreduce", sent, received):    # the volume of the allreduce it replaces
         counts = block_counts(nbytes, p)
         starts = np.zeros(p + 1, dtype=np.int64)
         np.cumsum(counts, out=starts[1:])

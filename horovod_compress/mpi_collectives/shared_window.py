@@ -51,7 +51,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .accounting import allreduce_volume
+from .accounting import ring_allreduce_rank_bytes
 from .reduce_ops import all_ranks_on_one_node, block_counts
 from . import is_mpi_communicator
 
@@ -261,8 +261,7 @@ def window_reduce_once_items(comm: Any, window: SharedWindow, nitems: int, items
             a = out
     window.sync(comm)
     consume(window.result, 0, nbytes)
-    vol = allreduce_volume(nbytes, p)
-    comm.count("allreduce", vol, vol)
+    comm.count("allreduce", *ring_allreduce_rank_bytes(nbytes, p, comm.rank, itemsize))
     return total
 
 

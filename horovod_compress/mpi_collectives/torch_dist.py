@@ -251,7 +251,8 @@ class TorchCommunicator(FusingAccounting):
         """Elementwise reduction over ranks; ``op`` is sum/max/min/prod/avg.
 
         ``avg`` sums then divides by P in the array's dtype (floats only).
-        Counts ``2N(P-1)/P`` bytes each way for N bytes.
+        Counts this rank's whole chunks of the ring: ``2N(P-1)/P`` bytes each way for
+        N bytes on average over the ranks.
         """
         if not isinstance(op, str) or op not in _REDUCE_OPS:
             raise ValueError(f"op must be one of {sorted(_REDUCE_OPS)} (custom reductions: "
@@ -266,8 +267,7 @@ class TorchCommunicator(FusingAccounting):
             with self.in_mpi("allreduce"):
                 dist.all_reduce(_as_tensor(out), op=rop, group=self._group_for(out))
         nbytes = int(out.size) * np.dtype(out.dtype).itemsize
-        vol = self._allreduce_volume(nbytes)
-        self._account("allreduce", vol, vol)
+        self._account("allreduce", *self._allreduce_bytes(nbytes, np.dtype(out.dtype).itemsize))
         if op in ("avg", "average"):
             out /= out.dtype.type(self.size)
         return out
@@ -292,8 +292,8 @@ class TorchCommunicator(FusingAccounting):
             with self.in_mpi("allreduce"):
                 works.append(dist.all_reduce(_as_tensor(out), op=rop, group=self._group_for(out),
                                              async_op=True))
-        vol = self._allreduce_volume(int(out.size) * np.dtype(out.dtype).itemsize)
-        self._account("allreduce", vol, vol)
+        item = np.dtype(out.dtype).itemsize
+        self._account("allreduce", *self._allreduce_bytes(int(out.size) * item, item))
         size = self.size
 
         def finish() -> Any:
@@ -379,9 +379,9 @@ class TorchCommunicator(FusingAccounting):
         """Allgatherv of raw bytes with known per-rank ``byte_counts`` (no count exchange)."""
         counts = np.asarray(byte_counts, dtype=np.int64)
         self._allgatherv_bytes(np.ascontiguousarray(send).reshape(-1).view(np.uint8), counts, out)
-        total = float(counts.sum())
-        received = total - float(counts[self.rank])
-        sent = total - float(counts[(self.rank + 1) % self.size])
+        total = int(counts.sum())
+        received = total - int(counts[self.rank])
+        sent = total - int(counts[(self.rank + 1) % self.size])
         self._account("allgatherv", sent, received)
         return out
 
@@ -393,7 +393,7 @@ class TorchCommunicator(FusingAccounting):
         recv = np.empty_like(send)
         with self.in_mpi("alltoall"):
             self._alltoall_bytes(_bytes_of(send), recv.reshape(-1).view(np.uint8), None, None)
-        vol = float(send.nbytes // max(self.size, 1) * (self.size - 1))
+        vol = send.nbytes // max(self.size, 1) * (self.size - 1)
         self._account("alltoall", vol, vol)
         return recv
 
@@ -433,8 +433,8 @@ class TorchCommunicator(FusingAccounting):
         rdispl = np.zeros(self.size, np.int64)
         np.cumsum(recv_counts[:-1], out=rdispl[1:])
         others = np.arange(self.size) != self.rank
-        sent = float(send_counts[others].sum() * item + 8 * (self.size - 1))
-        received = float(recv_counts[others].sum() * item + 8 * (self.size - 1))
+        sent = int(send_counts[others].sum()) * item + 8 * (self.size - 1)
+        received = int(recv_counts[others].sum()) * item + 8 * (self.size - 1)
         self._account("alltoallv", sent, received)
         return [recv[rdispl[j]:rdispl[j] + recv_counts[j]] for j in range(self.size)]
 
@@ -520,8 +520,7 @@ class TorchCommunicator(FusingAccounting):
             acc = self._fold_blocks(raw, op, counts)
             out = np.empty(raw.size, dtype=np.uint8)
             self._allgatherv_bytes(acc, counts, out)
-        vol = self._allreduce_volume(raw.size)
-        self._account("allreduce", vol, vol)
+        self._account("allreduce", *self._allreduce_bytes(raw.size, item))
         return out.view(send.dtype)
 
     def broadcast(self, array: Any, root: int = 0) -> Any:

@@ -155,8 +155,8 @@ class HookExchange:
             with _timeline.span("bucket", "bucket", tensors=len(bucket.names),
                                 numel=int(bucket.numel), last=bool(bucket.is_last)):
                 self._bucket(bucket)
-            st.bytes_sent += max(comm.bytes_sent - sent0, 0.0)
-            st.bytes_received += max(comm.bytes_received - received0, 0.0)
+            st.bytes_sent += max(comm.bytes_sent - sent0, 0)
+            st.bytes_received += max(comm.bytes_received - received0, 0)
             dense = reduce_scatter_volume if getattr(bucket, "scatter", False) \
                 else ring_allreduce_bytes
             st.dense_bytes += dense(bucket.nbytes, comm.size)
@@ -354,7 +354,7 @@ class HookExchange:
         st.steps = int(sd["iteration"])
         self.calls = int(sd["calls"])
         st.dense_bytes = float(sd["dense_bytes"])
-        st.bytes_sent = float(sd.get("bytes_sent", 0.0))
-        st.bytes_received = float(sd.get("bytes_received", 0.0))
+        st.bytes_sent = int(sd.get("bytes_sent", 0))
+        st.bytes_received = int(sd.get("bytes_received", 0))
         self.buckets.load_saved(sd.get("layout"))
         self._new_iteration()

@@ -29,8 +29,10 @@ class ExchangeStats:
     """Cumulative counters of one exchange on this rank (bytes under the volume model).
 
     ``bytes_*`` count the gradient exchange alone (the Communicator's delta
-    around each step), ``dense_bytes`` what a dense ring allreduce would have
-    sent, ``error_sum / error_count`` the mean measured compression error,
+    around each step; whole bytes, what this rank sent and received),
+    ``dense_bytes`` what a dense ring allreduce would have sent (the formula
+    2N(P-1)/P, a mean over the ranks, so it may be fractional),
+    ``error_sum / error_count`` the mean measured compression error,
     ``check_bytes_*`` the probes' dense allreduces, ``setup_bytes_*`` the
     one-time cross-rank checks when exchanges are built, and ``seconds`` the
     time the training loop spent inside the exchange (submitting and waiting;
@@ -39,15 +41,15 @@ class ExchangeStats:
     """
 
     steps: int = 0
-    bytes_sent: float = 0.0
-    bytes_received: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
     dense_bytes: float = 0.0
     error_sum: float = 0.0
     error_count: int = 0
-    check_bytes_sent: float = 0.0
-    check_bytes_received: float = 0.0
-    setup_bytes_sent: float = 0.0
-    setup_bytes_received: float = 0.0
+    check_bytes_sent: int = 0
+    check_bytes_received: int = 0
+    setup_bytes_sent: int = 0
+    setup_bytes_received: int = 0
     seconds: float = 0.0
 
     def copy(self) -> "ExchangeStats":

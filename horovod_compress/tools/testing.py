@@ -376,6 +376,18 @@ def same_on_all_ranks(comm: Any, x: Any) -> bool:
                and other.tobytes() == everyone[0].tobytes() for other in everyone)
 
 
+def ring_rounding_ok(comm: Any, measured: int, formula: float, op: str = "allreduce") -> bool:
+    """Whether a rank's whole-byte count ``measured`` matches the volume model's ``formula``.
+
+    Each ring allreduce a rank makes counts its own whole chunks
+    (:func:`~horovod_compress.mpi_collectives.accounting.ring_allreduce_rank_bytes`): within two
+    elements (at most 8 bytes each) of 2N(P-1)/P, its mean over the ranks. So ``measured``
+    must be an int within 16 bytes per ``op`` call counted since the last ``reset_stats()``.
+    """
+    calls = comm.stats()["by_op"].get(op, {}).get("calls", 0)
+    return isinstance(measured, int) and abs(measured - formula) <= 16 * max(calls, 1)
+
+
 def relative_error(a: Any, b: Any) -> float:
     """``||a - b|| / ||b||`` in float64 (``||a - b||`` when ``b`` is zero)."""
     import numpy as np

@@ -146,8 +146,8 @@ class HookState:
     iteration = delegated("exchange.stats.steps", "Completed DDP iterations.", int)
     calls = delegated("exchange.calls", "Hook calls (DDP buckets).", int)
     dense_bytes = delegated("exchange.stats.dense_bytes", "What DDP's allreduce would send.", float)
-    bytes_sent = delegated("exchange.stats.bytes_sent", "Bytes this hook sent.", float)
-    bytes_received = delegated("exchange.stats.bytes_received", "Bytes it received.", float)
+    bytes_sent = delegated("exchange.stats.bytes_sent", "Bytes this hook sent (whole bytes).", int)
+    bytes_received = delegated("exchange.stats.bytes_received", "Bytes it received (whole bytes).", int)
     seconds = delegated("exchange.stats.seconds", "Wall seconds inside the hook.", float)
 
     def __init__(self, method: Method, model: Any = None, comm: Any = None,

@@ -15,13 +15,13 @@ memory, OS), the versions (Python, NumPy, PyTorch, TensorFlow, mpi4py, the MPI
 library, Numba, Horovod, this package and its git commit), the command line of
 ``hvdc bench all`` and of the benchmark, its exit code and wall time; every
 Markdown page the benchmark wrote gets a provenance footer with the same
-facts. Then ``README.md`` of the output folder -- the index of the results
-pages with their plots, a page of the documentation site -- is regenerated,
-and, when ``e2e.json`` is there, the alpha-beta model's tables
-(``model_<network>.md``); when the output folder is the repository's
-``benchmarks/``, the generated "which method" page (``docs/choosing.md``) and
-the reference data shipped with the package are regenerated too
-(:mod:`.choosing`).
+facts, as the line under its title. Then ``README.md`` of the output folder
+-- the index, one row per results page: what it measures, the command, when
+and on what machine it ran, read from the page's header (:func:`page_facts`)
+-- is regenerated; when the output folder is the repository's
+``benchmarks/``, the generated "which method" page (``docs/choosing.md``,
+the alpha-beta model's predictions per network) and the reference data
+shipped with the package are regenerated too (:mod:`.choosing`).
 A benchmark whose prerequisites are missing (root for the emulated cluster, a
 GPU) fails on its own and the others still run; the exit code is 1 when any
 failed.
@@ -46,7 +46,13 @@ from . import choosing
 from .machine import cpu_model
 
 PROVENANCE_MARK = "<!-- hvdc:provenance -->"
-MODEL_NETWORKS = ("1gbe", "10gbe", "aries")
+#: A results page's header: its title and the lines up to this one (1-based) state the
+#: command, the date and the machine of the run (:func:`page_facts` reads them).
+HEADER_LINES = 5
+_COMMAND = re.compile(r"`((?:hvdc|python3?|\.venv/bin/python|mpirun|torchrun|bash) [^`]*)`")
+_DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+_CORES = re.compile(r"\b(\d+) (?:logical CPUs|cores)\b")
+_CPU = re.compile(r"\b(Intel\(R\) Xeon\(R\)|Xeon|AMD EPYC|EPYC|x86_64|aarch64|arm64)\b")
 
 
 @dataclass
@@ -112,7 +118,7 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--skip", default="", help="comma-separated benchmark names to leave out")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     p.add_argument("--index-only", action="store_true",
-                   help="only regenerate the output folder's README.md (and model tables)")
+                   help="only regenerate the output folder's README.md (the index)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per benchmark (default 3600)")
     p.set_defaults(func=run)
 
@@ -175,21 +181,25 @@ def provenance(command: list[str], argv: list[str]) -> dict[str, Any]:
             "suite_command": " ".join(shlex.quote(a) for a in argv)}
 
 
-def provenance_footer(prov: dict[str, Any]) -> str:
-    """The Markdown footer that ``hvdc bench all`` appends to each page a benchmark wrote."""
+def provenance_line(prov: dict[str, Any]) -> str:
+    """The line ``hvdc bench all`` puts under the title of each page a benchmark wrote:
+    command, date, machine and versions (:data:`PROVENANCE_MARK` ends it)."""
     m, v = prov["machine"], prov["versions"]
     vers = ", ".join(f"{k} {val}" for k, val in v.items())
-    return (f"\n{PROVENANCE_MARK}\n---\n\n*Produced {prov['date']} by `{prov['command']}` "
-            f"(within `{prov['suite_command']}`) on {m.get('cpu')}, {m.get('cores')} cores, "
-            f"{m.get('memory')}, {m.get('os')}; {vers}.*\n")
+    return (f"*Produced {prov['date']} by `{prov['command']}` (within `{prov['suite_command']}`) on "
+            f"{m.get('cpu')}, {m.get('cores')} cores, {m.get('memory')}, {m.get('os')}; {vers}.* "
+            f"{PROVENANCE_MARK}")
 
 
 def stamp_page(path: Path, prov: dict[str, Any]) -> None:
-    """Replace (or add) the provenance footer of a Markdown page."""
-    text = path.read_text()
-    if PROVENANCE_MARK in text:
-        text = text[:text.index(PROVENANCE_MARK)].rstrip("\n") + "\n"
-    path.write_text(text + provenance_footer(prov))
+    """Put (or replace) the provenance line under the page's title (its header)."""
+    lines = [line for line in path.read_text().splitlines() if PROVENANCE_MARK not in line]
+    while lines and lines[-1].strip() in ("", "---"):       # an old footer's separator
+        lines.pop()
+    at = next((i + 1 for i, line in enumerate(lines) if line.startswith("# ")), 0)
+    lines[at:at] = ["", provenance_line(prov)] if at else [provenance_line(prov), ""]
+    text = "\n".join(lines)
+    path.write_text(re.sub(r"\n{3,}", "\n\n", text).rstrip("\n") + "\n")
 
 
 # --------------------------------------------------------------------- index
@@ -200,14 +210,60 @@ def _title(path: Path) -> str:
     return path.stem
 
 
-def write_index(out: Path, record: dict[str, Any]) -> Path:
-    """(Re)write ``out/README.md``: every results page with its plots and provenance."""
-    pages = sorted(p for p in out.glob("*.md") if p.name != "README.md")
+@dataclass
+class PageFacts:
+    """What a results page's header says about its run (empty strings where it says nothing)."""
+
+    title: str
+    command: str
+    date: str
+    machine: str
+
+
+def page_facts(path: Path) -> PageFacts:
+    """Read the title, the command, the date and the machine from a results page's header.
+
+    The header is the first :data:`HEADER_LINES` lines: the title and the paragraph under
+    it. The command is the first inline-code span that starts like one (``hvdc``,
+    ``python``, ``mpirun``, ...), under the title if there is one there, else in the
+    title; the date the first ``YYYY-MM-DD``; the machine the core count ("2 cores",
+    "2 logical CPUs"), with the CPU's name where the header gives one.
+    """
+    lines = path.read_text().splitlines()[:HEADER_LINES]
+    head = "\n".join(lines)
+    command = _COMMAND.search("\n".join(lines[1:])) or _COMMAND.search(head)
+    date = _DATE.search(head)
+    cores = _CORES.search(head)
+    machine = ""
+    if cores:
+        cpu = _CPU.search(head)
+        machine = ((cpu.group(1).replace("Intel(R) Xeon(R)", "Xeon") + ", ") if cpu else "") + \
+            f"{cores.group(1)} cores"
+    return PageFacts(_title(path), command.group(1) if command else "", date.group(0) if date else "",
+                     machine)
+
+
+def results_pages(out: Path) -> list[Path]:
+    """Every results page under ``out`` (sub-folders included), the index itself left out."""
+    return sorted((p for p in out.rglob("*.md") if p != out / "README.md"),
+                  key=lambda p: p.relative_to(out).as_posix())
+
+
+def _cell(text: str, limit: int = 0) -> str:
+    text = text.replace("|", "\\|")
+    return text if not limit or len(text) <= limit else text[:limit - 1].rstrip() + "…"
+
+
+def index_text(out: Path, record: dict[str, Any]) -> str:
+    """The index of ``out``: one row per results page -- what it measures (its title, linked),
+    the command, when and where it ran (:func:`page_facts`) -- and the last suite run's status."""
     lines = ["# Benchmark results", "",
-             "Every page here is written by an `hvdc bench` command; `hvdc bench all` runs them "
-             "all, appends to each page the machine, library versions and command line that "
-             "produced it, and regenerates this index. Timings come from the machine named in "
-             "each page's footer; byte counts and accuracies do not depend on it.", ""]
+             "One page per benchmark, each written by the command in its row; each page's header "
+             "(the lines under its title) gives the full command, the date and the machine. "
+             "Timings come from that machine, most of them a shared 2-core virtual machine: "
+             "compare them within a page, as ratios against the baseline measured in the same "
+             "run. Byte counts and accuracies do not depend on the machine. `hvdc bench all` "
+             "reruns the suite and regenerates this index.", ""]
     runs = record.get("runs", {})
     if runs:
         lines += ["| benchmark | status | wall time | last run |", "|---|---|---:|---|"]
@@ -217,32 +273,20 @@ def write_index(out: Path, record: dict[str, Any]) -> Path:
             wall = f"{r['seconds']:.0f} s" if r.get("seconds") is not None else ""
             lines.append(f"| `{name}` | {status} | {wall} | {r.get('date', '')} |")
         lines.append("")
-    for page in pages:
-        lines += [f"## [{_title(page)}]({page.name})", ""]
-        for png in sorted(out.glob(page.stem + "*.png")):
-            own = png.stem == page.stem or (png.stem.startswith(page.stem + "_")
-                                            and not (out / (png.stem + ".md")).is_file())
-            if own:
-                lines += [f"![{png.stem}]({png.name})", ""]
-    for sub in sorted(d for d in out.iterdir() if d.is_dir() and (d / "README.md").is_file()):
-        lines += [f"## [{_title(sub / 'README.md')}]({sub.name}/README.md)", ""]
+    lines += ["| what it measures | command | date | machine |", "|---|---|---|---|"]
+    for page in results_pages(out):
+        facts = page_facts(page)
+        command = f"`{_cell(facts.command, 90)}`" if facts.command else "-"
+        lines.append(f"| [{_cell(facts.title)}]({page.relative_to(out).as_posix()}) | {command} "
+                     f"| {facts.date or '-'} | {facts.machine or '-'} |")
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def write_index(out: Path, record: dict[str, Any]) -> Path:
+    """(Re)write ``out/README.md`` with :func:`index_text`."""
     path = out / "README.md"
-    path.write_text("\n".join(lines).rstrip("\n") + "\n")
+    path.write_text(index_text(out, record))
     return path
-
-
-def write_model_tables(out: Path, argv0: list[str]) -> list[Path]:
-    """``hvdc model --out out/model_<net>.md`` for each network of :data:`MODEL_NETWORKS`."""
-    e2e = out / "e2e.json"
-    if not e2e.is_file():
-        return []
-    written = []
-    for net in MODEL_NETWORKS:
-        dest = out / f"model_{net}.md"
-        cmd = [*argv0, "model", "--profiles", str(e2e), "--network", net, "--out", str(dest)]
-        if subprocess.call(cmd, stdout=subprocess.DEVNULL) == 0:
-            written.append(dest)
-    return written
 
 
 # ----------------------------------------------------------------------- run
@@ -312,8 +356,6 @@ def run(args: argparse.Namespace) -> int:
             record_path.write_text(json.dumps(record, indent=1))
         if args.dry_run:
             return 0
-        for page in write_model_tables(out, base):
-            print(f"model table: {page}", flush=True)
         if out.resolve() == choosing.E2E_JSON.parent.resolve():
             choosing.main([])          # docs/choosing.md and the shipped reference data
     record_path.write_text(json.dumps(record, indent=1))

@@ -538,6 +538,18 @@ def _fmt_bw(bw: str) -> str:
     return {"100mbit": "100 Mbit", "1gbit": "1 Gbit", "10gbit": "10 Gbit", SHM: "shm"}.get(bw, bw)
 
 
+def page_title(report: dict[str, Any]) -> str:
+    """What a report measures, as its page's title: the model, the methods (named when
+    three or fewer, else counted), the rank counts and the links."""
+    runs = report["runs"]
+    labels = list(dict.fromkeys(label for r in runs for label in r["methods"]))
+    shown = ", ".join(labels) if len(labels) <= 3 else f"{len(labels)} methods"
+    ps = ", ".join(str(p) for p in sorted({r["world_size"] for r in runs}))
+    bws = ", ".join(_fmt_bw(bw) for bw in sorted({r["bandwidth"] for r in runs if r["bandwidth"] != SHM},
+                                                   key=_nominal_gbit))
+    return f"Whole training steps on shaped links: {runs[0]['model']}, {shown}, P = {ps}, {bws}"
+
+
 def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
     runs = report["runs"]
     failed = report.get("failed_runs", [])
@@ -547,7 +559,7 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
     if not runs:
         return "no runs\n" + "\n".join(failures) + "\n"
     first = runs[0]
-    lines = [f"# Whole training steps on shaped links (`hvdc bench e2e`)", "",
+    lines = [f"# {page_title(report)}", "",
              f"Measured {report['when']} with `{report['command'].strip()}` on {report['machine']}; "
              f"{report['versions']}; source at commit `{report.get('commit', 'unknown')}`."
              + (f" Analysed again (`--rerender`, the same measurements) {report['analysed']}."

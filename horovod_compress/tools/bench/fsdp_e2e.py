@@ -154,7 +154,7 @@ def render(res: dict[str, Any]) -> str:
                 f"{res.get('cores', '?')} cores, shared with other jobs; with more ranks than "
                 f"cores the ranks also compete for CPU, so close orderings are noise." if load
                 else "")
-    return (f"# FSDP2 on the emulated cluster: dense vs compressed reduce-scatter\n\n"
+    return (f"# FSDP2 on the emulated cluster at P = {res['hosts']}: dense vs compressed reduce-scatter\n\n"
             f"Measured {res['date']} by `{res.get('command', 'hvdc bench fsdp')}` (one run): "
             f"{res['hosts']} hosts (one rank each, {res['threads']} thread(s)), links "
             f"{res['bandwidth']} full duplex (tbf), gloo over TCP; model `{res['model']}` with "

@@ -25,6 +25,8 @@ import json
 import math
 import os
 import platform
+import shlex
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -593,7 +595,10 @@ def _table_row(r: Result) -> str:
 
 
 def write_markdown(results: list[Result], path: Path, meta: dict[str, Any]) -> None:
-    lines = ["# Kernel benchmark (`hvdc bench kernels`)", "",
+    threads = meta["numba_threads"]
+    lines = [f"# Kernel benchmark, {threads} Numba thread{'s' if threads != 1 else ''}"
+             + (f": {meta['only']} only" if meta.get("only") else "") + " (`hvdc bench kernels`)", "",
+             f"`{meta.get('command', 'hvdc bench kernels')}` with NUMBA_NUM_THREADS={threads}. "
              f"Machine: {meta['machine']}. {meta['note']}".rstrip(), "",
              f"Numba threads: {meta['numba_threads']}; best of {meta['repeat']} rounds after a warm-up call, "
              f"kernel and memcpy interleaved in every round (references in the first 3); all columns "
@@ -676,7 +681,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"machine": _machine(), "note": args.note, "numba_threads": numba.get_num_threads(),
-            "repeat": args.repeat, "date": time.strftime("%Y-%m-%d")}
+            "repeat": args.repeat, "date": time.strftime("%Y-%m-%d"), "only": args.only,
+            "command": "hvdc " + " ".join(shlex.quote(a) for a in sys.argv[1:])}
     write_markdown(results, out, meta)
     out.with_suffix(".json").write_text(json.dumps(
         {"meta": meta, "results": [r.__dict__ for r in results]}, indent=1))

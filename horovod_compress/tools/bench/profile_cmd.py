@@ -17,7 +17,8 @@ through DistributedOptimizer (overlap off, so the parts add up), and the profile
 records what the model in hvdc model needs: the forward and backward time, the
 method's own compression time, and the bytes and calls of each collective per
 step. On the CPU these are CPU times (what the work costs with a core per rank,
-even where the ranks share cores); on a GPU, wall times. hvdc model then
+even where the ranks share cores); on a GPU, wall times (--device cuda has been
+tested on PyTorch's meta device only, not yet on a real GPU). hvdc model then
 predicts each method's step time and speedup on any network and number of
 ranks. A method that fails on the model is reported and left out.
 """
