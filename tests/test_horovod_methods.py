@@ -28,10 +28,13 @@ pytestmark = [pytest.mark.horovod, pytest.mark.mpi,
 
 METHODS = hvdc.Compression.available()
 # each method x op, then the scripts' case_* checks (found by name)
+# the methods Horovod does not reduce itself, each also against a NumPy oracle of its paper
+# (tests/scripts/method_oracles.py); auto has none of its own (it runs one of the others)
+ORACLE_METHODS = [m for m in METHODS if m not in ("none", "fp16", "bf16", "auto")]
 TORCH_CHECKS = [f"torch_optimizer[{m}-{op}]" for m in METHODS for op in ("Average", "Sum")] + \
-    find_cases(TORCH_SCRIPT)
+    [f"torch_oracle[{m}]" for m in ORACLE_METHODS] + find_cases(TORCH_SCRIPT)
 TF_CHECKS = [f"tf_tape[{m}-{op}]" for m in METHODS for op in ("Average", "Sum")] + \
-    find_cases(TF_SCRIPT)
+    [f"tf_oracle[{m}]" for m in ORACLE_METHODS] + find_cases(TF_SCRIPT)
 
 
 def horovodrun(script: Path, out: Path, timeout: int = 900) -> None:

@@ -29,6 +29,7 @@ import horovod_compress as hvdc  # noqa: E402
 import horovod_compress.torch as hvdc_torch  # noqa: E402
 from horovod_compress.mpi_collectives import Communicator  # noqa: E402
 from horovod_compress.testing import CheckRecorder, same_on_all_ranks  # noqa: E402
+from method_oracles import ORACLE_PARAMS, MethodOracle  # noqa: E402  (beside this script)
 
 hvd.init()
 hvdc_torch.init()
@@ -129,6 +130,36 @@ for name in hvdc.Compression.available():
     for op_label, op in (("Average", hvd.Average), ("Sum", hvd.Sum)):
         record(f"torch_optimizer[{name}-{op_label}]",
                lambda name=name, op=op: run_pair(name, op))
+
+
+def against_the_oracle(method_name):
+    """Horovod's optimizer with the method (its :data:`method_oracles.ORACLE_PARAMS`), three
+    steps, each step's averaged gradients against the NumPy reference of
+    :class:`method_oracles.MethodOracle`, built from every rank's local gradients (a plain
+    model at the same weights) without running any of our code. Flat methods see the
+    optimizer's one fused bucket (the four small tensors share it)."""
+    a, fresh = model_pair()
+    method = getattr(hvdc.Compression, method_name)(**ORACLE_PARAMS[method_name])
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.05),
+                                   named_parameters=a.named_parameters(), compression=method,
+                                   op=hvd.Average)
+    oracle = MethodOracle(method_name)
+    for step in range(STEPS):
+        fresh.load_state_dict(a.state_dict())
+        fresh.zero_grad()
+        backward(fresh, step)
+        ranks = [comm.allgather(g) for g in grads(fresh)]
+        opt.zero_grad()
+        backward(a, step)
+        opt.synchronize()
+        oracle.check(step, grads(a), ranks, fused=True)
+        with opt.skip_synchronize():
+            opt.step()
+    same_on_ranks([p.detach().numpy() for p in a.parameters()])
+
+
+for name in ORACLE_PARAMS:
+    record(f"torch_oracle[{name}]", lambda name=name: against_the_oracle(name))
 
 
 @case
