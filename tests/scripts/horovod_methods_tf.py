@@ -6,7 +6,8 @@ variables lack): the gradients Horovod's tape returns must equal, step after
 step, what the method's own ``allreduce`` gives on the same local gradients
 under the same tensor names (a fresh instance of the method, times P for Sum);
 ``none``/``fp16``/``bf16``, which Horovod reduces itself, the dense average.
-Plus: direct ``hvd.allreduce``, Adasum refused, the uncalled factory.
+Every compressed method also against a NumPy oracle of its paper
+(``tf_oracle[<method>]``, method_oracles.py beside this script). Plus: direct ``hvd.allreduce``, Adasum refused, the uncalled factory.
 Writes {check: "ok" | error text} as JSON (rank 0) to the path given as the
 only argument: ``tf_tape[<method>-<op>]`` for each method x op, and each
 ``case_*(comm)`` below under its function name (tests/test_horovod_methods.py

@@ -4,8 +4,9 @@ For each method x op (Average, Sum): Horovod's optimizer with the method must
 give, step after step, exactly the gradients our own
 ``horovod_compress.torch.DistributedOptimizer`` gives with a fresh instance of
 the same method (same buckets, names, state) -- and ``none``/``fp16``/``bf16``,
-which Horovod reduces itself, the dense average; Top-k also against a NumPy
-reference of its own (not our optimizer's result). Plus the options: Adasum
+which Horovod reduces itself, the dense average. Every compressed method also
+against a NumPy oracle of its paper (``torch_oracle[<method>]``, method_oracles.py
+beside this script), and digits training against dense. Plus the options: Adasum
 refused for compressed methods, predivide, backward_passes_per_step, the
 uncalled factory, direct ``hvd.allreduce``, non-linear ops and reducescatter
 refused, a process set. Writes {check: "ok" | error text} as JSON (rank 0) to
