@@ -45,8 +45,10 @@ TF_CHECKS = [f"tf_tape[{m}-{op}]" for m in METHODS for op in ("Average", "Sum")]
     [f"tf_oracle[{m}]" for m in ORACLE_METHODS] + find_cases(TF_SCRIPT)
 
 
-def horovodrun(script: Path, out: Path, timeout: int = 900) -> None:
-    proc = run_horovodrun(2, [sys.executable, str(script), str(out)], cwd=out.parent, timeout=timeout)
+def horovodrun(script: Path, out: Path, timeout: int = 900, nprocs: int = 2,
+               extra_env: dict | None = None) -> None:
+    proc = run_horovodrun(nprocs, [sys.executable, str(script), str(out)], cwd=out.parent,
+                          timeout=timeout, extra_env=extra_env)
     assert proc.returncode == 0 and out.exists(), proc.stdout[-6000:] + proc.stderr[-6000:]
 
 
@@ -54,6 +56,14 @@ def horovodrun(script: Path, out: Path, timeout: int = 900) -> None:
 def torch_report(tmp_path_factory):
     out = tmp_path_factory.mktemp("hvd_torch") / "report.json"
     horovodrun(TORCH_SCRIPT, out)
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def torch_oracle_report_4(tmp_path_factory):
+    """The PyTorch oracle checks alone, on 4 ranks (gTopk's tree has two levels there)."""
+    out = tmp_path_factory.mktemp("hvd_torch4") / "report.json"
+    horovodrun(TORCH_SCRIPT, out, nprocs=4, extra_env={"HVDC_ORACLES_ONLY": "1"})
     return json.loads(out.read_text())
 
 
@@ -75,3 +85,10 @@ def test_torch(torch_report, check):
 def test_tensorflow(tf_report, check):
     assert check in tf_report, f"check {check} did not run"
     assert tf_report[check] == "ok", tf_report[check]
+
+
+@pytest.mark.parametrize("method", ORACLE_METHODS)
+def test_torch_oracle_on_4_ranks(torch_oracle_report_4, method):
+    check = f"torch_oracle[{method}]"
+    assert set(torch_oracle_report_4) == {f"torch_oracle[{m}]" for m in ORACLE_METHODS}
+    assert torch_oracle_report_4[check] == "ok", torch_oracle_report_4[check]

@@ -10,7 +10,8 @@ beside this script), and digits training against dense. Plus the options: Adasum
 refused for compressed methods, predivide, backward_passes_per_step, the
 uncalled factory, direct ``hvd.allreduce``, non-linear ops and reducescatter
 refused, a process set. Writes {check: "ok" | error text} as JSON (rank 0) to
-the path given as the only argument: ``torch_optimizer[<method>-<op>]`` for
+the path given as the only argument (with ``HVDC_ORACLES_ONLY=1``, as the
+4-rank launch runs it, only the oracle checks): ``torch_optimizer[<method>-<op>]`` for
 each method x op, and each ``case_*(comm)`` below under its function name
 (tests/test_horovod_methods.py finds them by name). Launched by horovodrun
 (it imports Horovod at the top and runs every check on import), so it is not
@@ -127,12 +128,6 @@ def run_pair(method_name, op, hvd_kwargs=None, our_kwargs=None, passes=1, factor
     return worst
 
 
-for name in hvdc.Compression.available():
-    for op_label, op in (("Average", hvd.Average), ("Sum", hvd.Sum)):
-        record(f"torch_optimizer[{name}-{op_label}]",
-               lambda name=name, op=op: run_pair(name, op))
-
-
 def against_the_oracle(method_name):
     """Horovod's optimizer with the method (its :data:`method_oracles.ORACLE_PARAMS`), three
     steps, each step's averaged gradients against the NumPy reference of
@@ -159,8 +154,23 @@ def against_the_oracle(method_name):
     same_on_ranks([p.detach().numpy() for p in a.parameters()])
 
 
+def write_report():
+    if RANK == 0:
+        json.dump(report, open(sys.argv[1], "w"), indent=1)
+    comm.barrier()
+
+
 for name in ORACLE_PARAMS:
     record(f"torch_oracle[{name}]", lambda name=name: against_the_oracle(name))
+if os.environ.get("HVDC_ORACLES_ONLY") == "1":    # the 4-rank launch: the oracles alone
+    write_report()
+    sys.exit(0)
+
+
+for name in hvdc.Compression.available():
+    for op_label, op in (("Average", hvd.Average), ("Sum", hvd.Sum)):
+        record(f"torch_optimizer[{name}-{op_label}]",
+               lambda name=name, op=op: run_pair(name, op))
 
 
 @case
@@ -375,6 +385,4 @@ def case_process_set_topk(comm):
     hvd.remove_process_set(ps)
 
 
-if RANK == 0:
-    json.dump(report, open(sys.argv[1], "w"), indent=1)
-comm.barrier()
+write_report()
