@@ -39,8 +39,11 @@ METHODS = hvdc.Compression.available()
 # the methods Horovod does not reduce itself, each also against a NumPy oracle of its paper
 # (tests/scripts/method_oracles.py); auto has none of its own (it runs one of the others)
 ORACLE_METHODS = [m for m in METHODS if m not in ("none", "fp16", "bf16", "auto")]
+# and, in PyTorch, with their residual error feedback (method_oracles.RESIDUAL_PARAMS)
+TORCH_ORACLES = [f"torch_oracle[{m}]" for m in ORACLE_METHODS] + \
+    [f"torch_oracle[{m}+residual]" for m in ("topk", "topk_dsa")]
 TORCH_CHECKS = [f"torch_optimizer[{m}-{op}]" for m in METHODS for op in ("Average", "Sum")] + \
-    [f"torch_oracle[{m}]" for m in ORACLE_METHODS] + find_cases(TORCH_SCRIPT)
+    TORCH_ORACLES + find_cases(TORCH_SCRIPT)
 TF_CHECKS = [f"tf_tape[{m}-{op}]" for m in METHODS for op in ("Average", "Sum")] + \
     [f"tf_oracle[{m}]" for m in ORACLE_METHODS] + find_cases(TF_SCRIPT)
 
@@ -87,8 +90,7 @@ def test_tensorflow(tf_report, check):
     assert tf_report[check] == "ok", tf_report[check]
 
 
-@pytest.mark.parametrize("method", ORACLE_METHODS)
-def test_torch_oracle_on_4_ranks(torch_oracle_report_4, method):
-    check = f"torch_oracle[{method}]"
-    assert set(torch_oracle_report_4) == {f"torch_oracle[{m}]" for m in ORACLE_METHODS}
+@pytest.mark.parametrize("check", TORCH_ORACLES)
+def test_torch_oracle_on_4_ranks(torch_oracle_report_4, check):
+    assert set(torch_oracle_report_4) == set(TORCH_ORACLES)
     assert torch_oracle_report_4[check] == "ok", torch_oracle_report_4[check]

@@ -31,7 +31,7 @@ import horovod_compress as hvdc  # noqa: E402
 import horovod_compress.torch as hvdc_torch  # noqa: E402
 from horovod_compress.mpi_collectives import Communicator  # noqa: E402
 from horovod_compress.testing import CheckRecorder, same_on_all_ranks  # noqa: E402
-from method_oracles import ORACLE_PARAMS, MethodOracle  # noqa: E402  (beside this script)
+from method_oracles import ORACLE_PARAMS, RESIDUAL_PARAMS, MethodOracle  # noqa: E402  (beside this script)
 
 hvd.init()
 hvdc_torch.init()
@@ -128,18 +128,19 @@ def run_pair(method_name, op, hvd_kwargs=None, our_kwargs=None, passes=1, factor
     return worst
 
 
-def against_the_oracle(method_name):
+def against_the_oracle(method_name, residual=False):
     """Horovod's optimizer with the method (its :data:`method_oracles.ORACLE_PARAMS`), three
     steps, each step's averaged gradients against the NumPy reference of
     :class:`method_oracles.MethodOracle`, built from every rank's local gradients (a plain
     model at the same weights) without running any of our code. Flat methods see the
     optimizer's one fused bucket (the four small tensors share it)."""
     a, fresh = model_pair()
-    method = getattr(hvdc.Compression, method_name)(**ORACLE_PARAMS[method_name])
+    params = (RESIDUAL_PARAMS if residual else ORACLE_PARAMS)[method_name]
+    method = getattr(hvdc.Compression, method_name)(**params)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(a.parameters(), lr=0.05),
                                    named_parameters=a.named_parameters(), compression=method,
                                    op=hvd.Average)
-    oracle = MethodOracle(method_name)
+    oracle = MethodOracle(method_name, residual=residual)
     for step in range(STEPS):
         fresh.load_state_dict(a.state_dict())
         fresh.zero_grad()
@@ -162,6 +163,8 @@ def write_report():
 
 for name in ORACLE_PARAMS:
     record(f"torch_oracle[{name}]", lambda name=name: against_the_oracle(name))
+for name in RESIDUAL_PARAMS:
+    record(f"torch_oracle[{name}+residual]", lambda name=name: against_the_oracle(name, True))
 if os.environ.get("HVDC_ORACLES_ONLY") == "1":    # the 4-rank launch: the oracles alone
     write_report()
     sys.exit(0)

@@ -45,6 +45,11 @@ ORACLE_PARAMS = {
     "topk_rows": dict(ratio=RATIO, feedback="none"),
 }
 
+#: Methods also checked with their default residual error feedback (EF14: acc = g + e, the
+#: method compresses acc, e = acc - the rank's own Top-k of acc), which the oracle tracks itself.
+RESIDUAL_PARAMS = {"topk": dict(density=DENSITY, feedback="residual"),
+                   "topk_dsa": dict(density=DENSITY, feedback="residual")}
+
 #: Methods whose gradients travel as one fused flat vector in a fused front-end.
 FLAT = ("topk", "topk_dsa", "deepreduce", "gtopk", "oktopk", "randk", "gaussiank", "qsgd",
         "global_qsgd")
@@ -128,11 +133,13 @@ class MethodOracle:
     bucket), otherwise each tensor on its own (TensorFlow's tape). Steps count from 0.
     """
 
-    def __init__(self, method: str) -> None:
-        if method not in ORACLE_PARAMS:
-            raise ValueError(f"no oracle for method {method!r}")
+    def __init__(self, method: str, residual: bool = False) -> None:
+        if method not in (RESIDUAL_PARAMS if residual else ORACLE_PARAMS):
+            raise ValueError(f"no oracle for method {method!r} (residual={residual})")
         self.method = method
         self.projectors: dict[int, np.ndarray] = {}   # lazy_projection / greedylore, per tensor
+        #: with ``residual``: each rank's error e_j per unit (fused vector or tensor)
+        self.errors: dict[int, np.ndarray] | None = {} if residual else None
 
     def check(self, step: int, got: list, ranks: list, fused: bool) -> None:
         got = [np.asarray(g, np.float64) for g in got]
@@ -142,7 +149,10 @@ class MethodOracle:
                 got = [np.concatenate([g.reshape(-1) for g in got])]
                 ranks = [np.concatenate([r.reshape(r.shape[0], -1) for r in ranks], axis=1)]
             for j, (g, x) in enumerate(zip(got, ranks)):
-                getattr(self, f"_flat_{self.method}")(g.reshape(-1), x.reshape(x.shape[0], -1),
+                x = x.reshape(x.shape[0], -1)
+                if self.errors is not None:
+                    x = self._add_error(j, x)
+                getattr(self, f"_flat_{self.method}")(g.reshape(-1), x,
                                                       f"{self.method} step {step} tensor {j}")
             return
         for j, (g, x) in enumerate(zip(got, ranks)):
@@ -152,6 +162,14 @@ class MethodOracle:
                 continue
             getattr(self, f"_matrix_{self.method}")(step, j, as_matrix(g),
                                                     x.reshape(x.shape[0], g.shape[0], -1), what)
+
+    def _add_error(self, j: int, x: np.ndarray) -> np.ndarray:
+        """EF14 (Stich et al., "Sparsified SGD with Memory", 2018, Algorithm 1; Seide et al.
+        2014): every rank compresses acc_j = g_j + e_j and keeps e_j = acc_j - Topk(acc_j)."""
+        acc = x + self.errors.get(j, 0.0)
+        k = k_of(x.shape[1])
+        self.errors[j] = acc - np.stack([topk(row, k) for row in acc])
+        return acc
 
     # ------------------------------------------------------------ flat methods
     def _sparse_sum(self, g, want, what):
