@@ -284,7 +284,8 @@ def case_horovod_tape(comm):
     the 16-bit values) and bf16 (Horovod has no bfloat16 kernel: our exchange) give the
     dense average, eagerly and in tf.function; randk runs its exchange at every step
     (a fresh shared index set per step, not the first trace's). Every method x op is
-    checked against its own result in tests/test_horovod_methods.py."""
+    checked against its own result, and every compressed method against a NumPy oracle of
+    its paper, in tests/test_horovod_methods.py."""
     if horovod_build_skipped():     # set up without Horovod on purpose: the test skips
         return {"skipped": "Horovod not built: scripts/setup.sh ran with HVDC_SKIP_HOROVOD=1"}
     import horovod.tensorflow as hvd    # a broken build fails the case

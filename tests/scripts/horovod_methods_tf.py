@@ -6,7 +6,8 @@ variables lack): the gradients Horovod's tape returns must equal, step after
 step, what the method's own ``allreduce`` gives on the same local gradients
 under the same tensor names (a fresh instance of the method, times P for Sum);
 ``none``/``fp16``/``bf16``, which Horovod reduces itself, the dense average.
-Plus: direct ``hvd.allreduce``, Adasum refused, the uncalled factory.
+Every compressed method also against a NumPy oracle of its paper
+(``tf_oracle[<method>]``, method_oracles.py beside this script). Plus: direct ``hvd.allreduce``, Adasum refused, the uncalled factory.
 Writes {check: "ok" | error text} as JSON (rank 0) to the path given as the
 only argument: ``tf_tape[<method>-<op>]`` for each method x op, and each
 ``case_*(comm)`` below under its function name (tests/test_horovod_methods.py
@@ -26,6 +27,7 @@ import tensorflow as tf  # noqa: E402
 import horovod_compress as hvdc  # noqa: E402
 import horovod_compress.tensorflow as hvdc_tf  # noqa: E402
 from horovod_compress.tools.testing import CheckRecorder, same_on_all_ranks  # noqa: E402
+from method_oracles import ORACLE_PARAMS, MethodOracle  # noqa: E402  (beside this script)
 
 hvd.init()
 hvdc_tf.init()
@@ -115,6 +117,35 @@ def run(method_name, op, factory=False):
 for name in hvdc.Compression.available():
     for op_label, op in (("Average", hvd.Average), ("Sum", hvd.Sum)):
         record(f"tf_tape[{name}-{op_label}]", lambda name=name, op=op: run(name, op))
+
+
+def against_the_oracle(method_name):
+    """Horovod's tape (inside ``tf.function``) with the method (its
+    :data:`method_oracles.ORACLE_PARAMS`), three steps, each step's gradients against the
+    NumPy reference of :class:`method_oracles.MethodOracle`, built from every rank's local
+    gradients without running any of our code; the tape reduces each tensor on its own."""
+    vs = variables()
+    method = getattr(hvdc.Compression, method_name)(**ORACLE_PARAMS[method_name])
+    oracle = MethodOracle(method_name)
+
+    @tf.function
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(vs, x, y)
+        tape = hvd.DistributedGradientTape(tape, compression=method, op=hvd.Average)
+        return tape.gradient(loss, vs)
+
+    for step in range(STEPS):
+        x, y = batch(step)
+        ranks = [comm.allgather(g) for g in local_grads(vs, x, y)]
+        got = [g.numpy() for g in step_fn(x, y)]
+        oracle.check(step, got, ranks, fused=False)
+        for v, g in zip(vs, got):
+            v.assign_sub(0.05 * g)
+
+
+for name in ORACLE_PARAMS:
+    record(f"tf_oracle[{name}]", lambda name=name: against_the_oracle(name))
 
 
 @case
