@@ -244,7 +244,10 @@ class Method:
         a real reduce-scatter in :meth:`_reduce` (:meth:`_scatter_block` tells
         them which block; they return an average that is right on that block
         only, moving only its share of the bytes); the others reduce the
-        whole vector and keep the slice. Sharded data parallelism needs it:
+        whole vector and keep the slice. One method's block is a variant of
+        its own rather than the block of its allreduce: Ok-Topk's
+        split-and-reduce over the P blocks without the global re-selection
+        (:mod:`horovod_compress.mpi_collectives.oktopk_reduce_scatter`). Sharded data parallelism needs it:
         PyTorch FSDP hands each module's gradients to a reduce-scatter
         ("PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel",
         Zhao et al., VLDB 2023, Section 3.2).
