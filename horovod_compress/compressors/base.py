@@ -276,6 +276,21 @@ class Method:
         block = x.size // comm.size
         return comm.rank * block, (comm.rank + 1) * block
 
+    def keep_rows(self, rows: "dict[str, tuple[int, int]] | None") -> None:
+        """Tell a matrix method which rows of each tensor's result the caller reads.
+
+        ``rows[name] = (lo, hi)``: only rows ``[lo, hi)`` of the first
+        dimension of tensor ``name``'s average are used (sharded training:
+        FSDP2 keeps this rank's chunk of rows). A method that can (GreedyLore)
+        then builds only those rows and leaves the others zero; every other
+        output, its state and error feedback are unchanged. ``None``: every row
+        (the default)."""
+        self._kept_rows = dict(rows) if rows else {}
+
+    def kept_rows(self, name: str) -> tuple[int, int] | None:
+        """The rows ``[lo, hi)`` of tensor ``name`` the caller reads (:meth:`keep_rows`), or ``None``."""
+        return getattr(self, "_kept_rows", {}).get(name)
+
     def _undo_step(self, name: str, prev: "TensorState | None", st: "TensorState") -> None:
         """Forget the step counted for ``name`` (its first call: the whole state) when the
         call's deferred agreement stopped it before any payload."""
