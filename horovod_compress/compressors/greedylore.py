@@ -72,8 +72,10 @@ Decisions where the paper leaves room (checked against its prose):
   is then built for those rows only (``Q[lo:hi] C``, or the matching
   columns of a transposed tensor; the others are zero), (hi - lo)/m of that
   product. The error ``A_i - Q C_i`` uses the rank's own ``C_i`` and is
-  computed as always, so the state, the error and the kept rows are the
-  same bits as without it.
+  computed as always, so the state and the error are the same bits as
+  without it, and so are the kept rows where the reconstruct kernels build
+  them (each entry computed alone); above their rank BLAS's GEMM on a row
+  subset may round differently (it did not in the tests).
 * **Per-step work** (implementation, same arithmetic; measured numbers in
   docs/methods/greedylore.md). An ordinary step streams the m x n matrices
   as few times as the data dependences allow: (1) one pass that adds
