@@ -34,7 +34,7 @@ import pytest
 
 CASES = Path(__file__)
 ALL = ["case_communicator_reduce_scatter", "case_method_reduce_scatter",
-       "case_oktopk_reduce_scatter"]
+       "case_oktopk_reduce_scatter", "case_warmup_reduce_scatter"]
 N = 4 * 3 * 1000          # a multiple of 2, 3 and 4 ranks
 STEPS = 4
 METHODS = {
@@ -202,6 +202,35 @@ def case_oktopk_reduce_scatter(comm):
     return {"k": k, "steps": steps}
 
 
+# dense warm-up steps under reduce_scatter: a dense reduce-scatter, unless the feedback keeps
+# the whole average (EF21's tracker G): then the allreduce
+WARMUP = {
+    "topk": ("topk", {"density": 0.05, "warmup_steps": 2}),
+    "oktopk": ("oktopk", {"density": 0.05, "warmup_steps": 2}),
+    "topk_ef21": ("topk", {"density": 0.05, "warmup_steps": 2, "feedback": "ef21"}),
+}
+
+
+def case_warmup_reduce_scatter(comm):
+    import horovod_compress as hvdc
+    p, r = comm.size, comm.rank
+    blk = N // p
+    out = {}
+    for label, (name, params) in WARMUP.items():
+        method = getattr(hvdc.Compression, name)(**params)
+        steps = []
+        for step in range(2):
+            x = _grad(r, step)
+            s0 = comm.bytes_sent
+            mine = method.reduce_scatter(x, "t", comm)
+            sent = comm.bytes_sent - s0
+            want = comm.allreduce(x, op="avg")[r * blk:(r + 1) * blk]
+            steps.append({"sent": sent, "equal": bool(np.array_equal(mine, want)),
+                          "diff": _diff(mine, want)})
+        out[label] = steps
+    return out
+
+
 pytestmark = pytest.mark.mpi
 
 
@@ -268,3 +297,19 @@ def test_oktopk_reduce_scatter_matches_its_numpy_reference(world):
         # at most 2k): no global re-selection cuts it back to k
         union = sum(per_rank[rank]["steps"][s]["nonzero"] for rank in per_rank)
         assert k <= union <= 2 * k * p, (p, s, union)
+
+
+def test_warmup_steps_reduce_scatter_densely(world):
+    """A method's dense warm-up steps under reduce_scatter are the dense average's block, sent
+    as a reduce-scatter (4N(P-1)/P, half the allreduce), unless the feedback keeps the whole
+    average (EF21: the allreduce, 8N(P-1)/P); the 1-byte step agreement aside."""
+    p, res = world
+    rs, ar = 4 * N * (p - 1) / p, 8 * N * (p - 1) / p
+    for rank, per in res["case_warmup_reduce_scatter"].items():
+        for label, steps in per.items():
+            for s, step in enumerate(steps):
+                if p == 2:
+                    assert step["equal"], (p, rank, label, s, step)
+                assert step["diff"] < 1e-6, (p, rank, label, s, step)
+                want = ar if label.endswith("ef21") else rs
+                assert want <= step["sent"] <= want + 8 * p, (p, rank, label, s, step)
