@@ -12,7 +12,8 @@ layer of 10 rows pads to 12 at P = 4, so padding rows are exercised):
 * every method: each rank's shard equals the matching slice (flat methods:
   block r of P of the module's flat buffer; matrix methods: the local rows of
   each parameter) of the method's own ``allreduce`` replayed on the same
-  gradients in the same order; bit for bit at P = 2, and at P = 4 too where
+  gradients in the same order (Ok-Topk: its own ``reduce_scatter`` variant,
+  whose NumPy reference is in tests/test_fsdp_reduce_scatter.py); bit for bit at P = 2, and at P = 4 too where
   both fold in the same order (flat methods on the torch communicator),
   within 1e-4 relative where a fused sum meets a sequential one (matrix
   methods); and the gradients FSDP hands the optimizer are those slices;
@@ -237,6 +238,16 @@ RS_FORMULAS = {
     "global_qsgd": lambda n, p: (2 * 8 + n) * (p - 1) / p,
     "global_qsgd_lin8": lambda n, p: (2 * 8 + n) * (p - 1) / p,
 }
+# Methods whose reduce-scatter is a variant of their own, not a block of their allreduce:
+# Ok-Topk's keeps each block's whole split-and-reduce sum (no global re-selection; its
+# NumPy reference is in tests/test_fsdp_reduce_scatter.py). The replay compares with it.
+OWN_REDUCE_SCATTER = ("oktopk",)
+# Upper bounds on bytes per rank of one module buffer of n float32 elements where the count
+# depends on where the selection falls: Ok-Topk sends each selected entry outside its own
+# block (8 bytes: int32 index, float32 value), at most local_guard * k of them.
+RS_BOUNDS = {
+    "oktopk": lambda method, n: 8 * method.local_guard * method.k_for(n),
+}
 # the digits check (as tests/test_ddp.py trains them; Rand-K unbiased at density 0.25)
 DIGITS_METHODS = {
     "none": ("none", {}),
@@ -389,6 +400,8 @@ def _shard_equals_slice(label, rank, size, comm, bytes_table):
     real = bool(method.scatters and flat)
     if real and label in RS_FORMULAS:
         formula = sum(RS_FORMULAS[label](n, size) for n in numels)
+    if label in RS_BOUNDS:
+        assert 0 < stats["bytes_sent"] <= sum(RS_BOUNDS[label](method, n) for n in numels), stats
     elif not real and flat and all(method.expected_bytes((n,), size) is not None for n in numels):
         formula = sum(method.expected_bytes((n,), size) for n in numels)  # its allreduce
     bytes_table[label] = {"sent": stats["bytes_sent"], "received": stats["bytes_received"],
@@ -401,14 +414,25 @@ def _shard_equals_slice(label, rank, size, comm, bytes_table):
     # block in rank order, the allreduce in gloo's; matrix methods fuse their collectives
     exact = size == 2 or (flat and label != "randk")
     by_name = {}
+    # matrix methods: only this rank's rows of each parameter are read (GreedyLore builds
+    # only those, the others stay zero): compare those
+    kept = {n: (rank * rows, min((rank + 1) * rows, dim0))
+            for (own, lay) in _module_buffers(model, size).values()
+            for q, (rows, _rest, dim0) in zip(own, lay)
+            for n, p in model.named_parameters() if p is q}
     for i, (name, x, got) in enumerate(state.record):
-        full = replay.allreduce(x, name, comm)
-        if flat:
+        if label in OWN_REDUCE_SCATTER:     # its block is its reduce-scatter variant's
+            want = replay.reduce_scatter(x, name, comm)
+        elif flat:
             blk = x.size // size
-            want = full.reshape(-1)[rank * blk:(rank + 1) * blk]
+            want = replay.allreduce(x, name, comm).reshape(-1)[rank * blk:(rank + 1) * blk]
         else:
-            want = full
-        _compare(torch.from_numpy(np.ascontiguousarray(got)),
+            want = replay.allreduce(x, name, comm)
+        mine = got
+        if not flat and np.ndim(want):
+            lo, hi = kept[name]
+            mine, want = got[lo:hi], want[lo:hi]
+        _compare(torch.from_numpy(np.ascontiguousarray(mine)),
                  torch.from_numpy(np.ascontiguousarray(want)), exact,
                  f"{label} record {i} ({name})", rtol=1e-4)
         if i >= first_of_last:
@@ -558,7 +582,7 @@ def ranks_fsdp(out: Path) -> None:
             rank, size, dtype, comm))
     check(checks, "divide_factor", lambda: _divide_factor(rank, size, comm))
     check(checks, "mismatch_raises_everywhere", lambda: _mismatch_raises(rank, comm))
-    for label in ("topk", "powersgd"):
+    for label in ("topk", "powersgd", "oktopk"):
         check(checks, f"dcp_checkpoint_resumes_bit_for_bit[{label}]",
               lambda label=label: _checkpoint(label, rank, comm, out))
     model = _mlp()

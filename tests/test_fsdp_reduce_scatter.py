@@ -14,7 +14,14 @@ under ``torchrun`` by tests/test_fsdp.py), at P = 2 and 4:
   bf16, Rand-K, 8-bit Global-QSGD, TopkDSA) and for one that falls back (Top-k); the
   real ones send what the reduce-scatter formula says, less than their
   allreduce;
-* a size that is not a multiple of P is refused.
+* a size that is not a multiple of P is refused;
+* Ok-Topk's reduce-scatter variant (split-and-reduce over the P equal blocks,
+  no allgatherv) over six steps -- exact and reused local thresholds, its
+  residual carried from step to step -- equals, bit for bit, a NumPy
+  reference of the same protocol written here from the paper (Algorithm 1,
+  lines 2-4 and 8; every rank's gradients recomputed from their seeds), and
+  sends exactly 8 bytes (int32 index, float32 value) per selected entry
+  outside its own block.
 
 This file is also the case module of ``run_cases``.
 """
@@ -26,7 +33,8 @@ import numpy as np
 import pytest
 
 CASES = Path(__file__)
-ALL = ["case_communicator_reduce_scatter", "case_method_reduce_scatter"]
+ALL = ["case_communicator_reduce_scatter", "case_method_reduce_scatter",
+       "case_oktopk_reduce_scatter", "case_warmup_reduce_scatter"]
 N = 4 * 3 * 1000          # a multiple of 2, 3 and 4 ranks
 STEPS = 4
 METHODS = {
@@ -120,6 +128,109 @@ def case_method_reduce_scatter(comm):
     return out
 
 
+# Ok-Topk's reduce-scatter check: thresholds exact at steps 1 and 4 (tau_prime = 3), reused
+# (and nudged) at the others; no warm-up, so every step is sparse
+OKTOPK = {"density": 0.05, "tau_prime": 3, "warmup_steps": 0}
+OKTOPK_STEPS = 6
+
+
+def oktopk_rs_reference(grads, p, k, tau_prime, guard=2.0, low=0.75, high=1.25, scale=1.012):
+    """Ok-Topk's reduce-scatter variant in NumPy: ``grads[s][i]`` is rank i's gradient at step s.
+
+    Per rank (Ok-Topk, PPoPP 2022, Algorithm 2, line 4; Algorithm 1, lines 2-4):
+    ``acc = g + e``; the local threshold is the exact k-th largest |acc| at every
+    ``tau_prime``-th step, else the previous one (re-evaluated when it selects more than
+    ``guard * k``), nudged by ``scale`` when the count leaves [low k, high k]; the selection is
+    ``|acc| >= th`` (in float32), nonzero. Line 8 over the P equal blocks: block j sums rank j's
+    entries first, then ranks j-1, j-2, ... (the rotation), in float64, rounded to float32 and
+    divided by P. The residual forgets every selected entry. Returns, per step, each rank's
+    block of the average and the bytes each rank sends (8 per entry outside its block).
+    """
+    n = grads[0][0].size
+    blk = n // p
+    e = [np.zeros(n, np.float32) for _ in range(p)]
+    th = [None] * p
+    out = []
+    for s, gs in enumerate(grads, start=1):
+        sels, sent = [], []
+        for i in range(p):
+            acc = gs[i] + e[i]
+            mag = np.abs(acc)
+            exact = (s - 1) % tau_prime == 0 or th[i] is None or th[i] <= 0
+            if not exact:
+                sel = (mag >= np.float32(th[i])) & (acc != 0)
+                if sel.sum() > guard * k:
+                    exact = True
+            if exact:
+                th[i] = float(np.sort(mag)[-k])
+                sel = (mag >= np.float32(th[i])) & (acc != 0)
+            else:
+                count = int(sel.sum())
+                th[i] = th[i] / scale if count < low * k else (
+                    th[i] * scale if count > high * k else th[i])
+            mine = np.zeros(n, np.bool_)
+            mine[i * blk:(i + 1) * blk] = True
+            sent.append(8 * int((sel & ~mine).sum()))
+            sels.append(np.where(sel, acc, np.float32(0)))
+            e[i] = np.where(sel, np.float32(0), acc)
+        blocks = []
+        for j in range(p):
+            lo, hi = j * blk, (j + 1) * blk
+            total = np.zeros(blk, np.float64)
+            for src in [j] + [(j - d) % p for d in range(1, p)]:
+                total += sels[src][lo:hi]
+            blocks.append(total.astype(np.float32) / np.float32(p))
+        out.append((blocks, sent))
+    return out
+
+
+def case_oktopk_reduce_scatter(comm):
+    import horovod_compress as hvdc
+    p, r = comm.size, comm.rank
+    method = hvdc.Compression.oktopk(**OKTOPK)
+    k = method.k_for(N)
+    ref = oktopk_rs_reference([[_grad(i, s) for i in range(p)] for s in range(OKTOPK_STEPS)],
+                              p, k, OKTOPK["tau_prime"])
+    steps = []
+    for s in range(OKTOPK_STEPS):
+        s0 = comm.bytes_sent
+        mine = method.reduce_scatter(_grad(r, s), "t", comm)
+        want, sent = ref[s][0][r], ref[s][1][r]
+        steps.append({"equal": bool(np.array_equal(mine, want)), "diff": _diff(mine, want),
+                      "sent": comm.bytes_sent - s0, "expected": sent,
+                      "nonzero": int(np.count_nonzero(want))})
+    return {"k": k, "steps": steps}
+
+
+# dense warm-up steps under reduce_scatter: a dense reduce-scatter, unless the feedback keeps
+# the whole average (EF21's tracker G): then the allreduce
+WARMUP = {
+    "topk": ("topk", {"density": 0.05, "warmup_steps": 2}),
+    "oktopk": ("oktopk", {"density": 0.05, "warmup_steps": 2}),
+    "topk_ef21": ("topk", {"density": 0.05, "warmup_steps": 2, "feedback": "ef21"}),
+}
+
+
+def case_warmup_reduce_scatter(comm):
+    import horovod_compress as hvdc
+    p, r = comm.size, comm.rank
+    blk = N // p
+    out = {}
+    for label, (name, params) in WARMUP.items():
+        method = getattr(hvdc.Compression, name)(**params)
+        steps = []
+        for step in range(2):
+            x = _grad(r, step)
+            s0 = comm.bytes_sent
+            mine = method.reduce_scatter(x, "t", comm)
+            sent = comm.bytes_sent - s0
+            want = comm.allreduce(x, op="avg")[r * blk:(r + 1) * blk]
+            steps.append({"sent": sent, "equal": bool(np.array_equal(mine, want)),
+                          "diff": _diff(mine, want)})
+        out[label] = steps
+    return out
+
+
 pytestmark = pytest.mark.mpi
 
 
@@ -168,3 +279,38 @@ def test_method_reduce_scatter_is_the_block_of_its_allreduce(world):
                 assert r["sent"] < r["whole_sent"], (p, rank, label, r)
             else:
                 assert r["sent"] == pytest.approx(r["whole_sent"]), (p, rank, label, r)
+
+
+def test_oktopk_reduce_scatter_matches_its_numpy_reference(world):
+    """Ok-Topk's reduce-scatter variant = the NumPy reference of the same protocol, bit for bit,
+    six steps (exact and reused thresholds, residuals carried); bytes = 8 per selected entry
+    outside the own block (no counts, no allgatherv)."""
+    p, res = world
+    per_rank = res["case_oktopk_reduce_scatter"]
+    k = per_rank[0]["k"]
+    for rank, r in per_rank.items():
+        for s, step in enumerate(r["steps"]):
+            assert step["equal"], (p, rank, s, step)
+            assert step["sent"] == step["expected"], (p, rank, s, step)
+            assert 0 < step["sent"] <= 8 * 2 * k, (p, rank, s, step)   # the local guard
+    for s in range(len(per_rank[0]["steps"])):
+        # the blocks together hold the union of the ranks' selections (each about k entries,
+        # at most 2k): no global re-selection cuts it back to k
+        union = sum(per_rank[rank]["steps"][s]["nonzero"] for rank in per_rank)
+        assert k <= union <= 2 * k * p, (p, s, union)
+
+
+def test_warmup_steps_reduce_scatter_densely(world):
+    """A method's dense warm-up steps under reduce_scatter are the dense average's block, sent
+    as a reduce-scatter (4N(P-1)/P, half the allreduce), unless the feedback keeps the whole
+    average (EF21: the allreduce, 8N(P-1)/P); the 1-byte step agreement aside."""
+    p, res = world
+    rs, ar = 4 * N * (p - 1) / p, 8 * N * (p - 1) / p
+    for rank, per in res["case_warmup_reduce_scatter"].items():
+        for label, steps in per.items():
+            for s, step in enumerate(steps):
+                if p == 2:
+                    assert step["equal"], (p, rank, label, s, step)
+                assert step["diff"] < 1e-6, (p, rank, label, s, step)
+                want = ar if label.endswith("ef21") else rs
+                assert want <= step["sent"] <= want + 8 * p, (p, rank, label, s, step)

@@ -854,3 +854,28 @@ def test_registered_with_layout_matrix():
         meth = hvdc.Compression.by_name(name)
         assert meth.layout == "matrix" and meth.biased
     assert hvdc.Compression.greedylore().config()["feedback"] == "residual"
+
+
+@pytest.mark.parametrize("shape, rank, rows", [
+    ((24, 60), 3, (6, 12)),          # wide: Q[lo:hi] C
+    ((60, 24), 3, (15, 30)),         # tall, transposed: (Q C[:, lo:hi])^T
+    ((200, 64), 20, (150, 200)),     # tall above the tall kernel's rank (16): BLAS
+    ((24, 60), 8, (20, 27)),         # wide above the kernel's rank (5): BLAS; past the last row
+])
+def test_kept_rows_are_the_rows_of_the_full_estimate(shape, rank, rows):
+    """Method.keep_rows (FSDP2: a rank reads only its chunk of rows): over SVD and ordinary
+    steps the kept rows are the same bits as without it, the error (which uses C_i) is the
+    same, and on ordinary steps the other rows are not built (zero)."""
+    from horovod_compress.mpi_collectives import Communicator
+    comm = Communicator()                       # one process: MPI.COMM_WORLD of size 1
+    full, kept = GreedyLore(rank=rank, period=3, seed=4), GreedyLore(rank=rank, period=3, seed=4)
+    kept.keep_rows({"w": rows})
+    lo, hi = rows[0], min(rows[1], shape[0])
+    for t in range(7):
+        g = np.random.default_rng(t).standard_normal(shape).astype(np.float32)
+        a, b = full.allreduce(g, "w", comm), kept.allreduce(g, "w", comm)
+        assert np.array_equal(a[lo:hi], b[lo:hi]), (t, float(np.abs(a[lo:hi] - b[lo:hi]).max()))
+        if t % 3:                               # ordinary steps (1, 4 are SVD steps: dense)
+            assert not b[:lo].any() and not b[hi:].any(), t
+            assert a[:lo].any() or a[hi:].any()
+        assert np.array_equal(current_error(full.state["w"]), current_error(kept.state["w"]))

@@ -225,7 +225,7 @@ class Method:
         _move_state(st, get_array_module(x))
         st.t += 1
         if dense_step:
-            out = comm.allreduce(x, op="avg")
+            out = self._dense_average(x, comm)
             self.feedback.on_dense_step(x, out, st)
         else:
             try:
@@ -257,7 +257,11 @@ class Method:
         a real reduce-scatter in :meth:`_reduce` (:meth:`_scatter_block` tells
         them which block; they return an average that is right on that block
         only, moving only its share of the bytes); the others reduce the
-        whole vector and keep the slice. Sharded data parallelism needs it:
+        whole vector and keep the slice. Every method's dense warm-up steps
+        run the communicator's reduce-scatter (:meth:`_dense_average`). One method's block is a variant of
+        its own rather than the block of its allreduce: Ok-Topk's
+        split-and-reduce over the P blocks without the global re-selection
+        (:mod:`horovod_compress.mpi_collectives.oktopk_reduce_scatter`). Sharded data parallelism needs it:
         PyTorch FSDP hands each module's gradients to a reduce-scatter
         ("PyTorch FSDP: Experiences on Scaling Fully Sharded Data Parallel",
         Zhao et al., VLDB 2023, Section 3.2).
@@ -268,9 +272,8 @@ class Method:
             raise ValueError(f"{self.name}: reduce_scatter of tensor {name!r} needs a size that "
                              f"is a multiple of the {p} ranks, got {size}")
         block = size // p
-        if not self.scatters or p == 1:
-            return self.allreduce(grad, name, comm).reshape(-1)[comm.rank * block:
-                                                                  (comm.rank + 1) * block]
+        if p == 1:
+            return self.allreduce(grad, name, comm).reshape(-1)
         self.__dict__["_scattering"] = True
         try:
             out = self.allreduce(grad, name, comm)
@@ -281,10 +284,46 @@ class Method:
     def _scatter_block(self, x: Any, comm: Any) -> tuple[int, int] | None:
         """Inside :meth:`reduce_scatter` of a method with :attr:`scatters`: ``(lo, hi)``, the
         flat range of ``x`` this rank's result must hold (``None`` in a plain allreduce)."""
+        return self._wanted_block(x, comm) if self.scatters else None
+
+    def _wanted_block(self, x: Any, comm: Any) -> tuple[int, int] | None:
+        """Inside :meth:`reduce_scatter` of any method: ``(lo, hi)`` as :meth:`_scatter_block`
+        (the dense warm-up steps of every method use it, :meth:`_dense_average`)."""
         if not self.__dict__.get("_scattering") or comm.size == 1:
             return None
         block = x.size // comm.size
         return comm.rank * block, (comm.rank + 1) * block
+
+    def _dense_average(self, x: Any, comm: Any) -> Any:
+        """A dense (warm-up) step's exact average over ranks.
+
+        Inside :meth:`reduce_scatter`, when the feedback keeps nothing of the
+        average (its ``on_dense_step`` is the base no-op: not EF21/EF21M,
+        whose tracker ``G`` is the whole average), only this rank's block is
+        right (the others zero): the communicator's dense reduce-scatter,
+        ``N(P-1)/P`` bytes for N instead of the allreduce's ``2N(P-1)/P``.
+        """
+        block = self._wanted_block(x, comm)
+        if block is None or type(self.feedback).on_dense_step is not Feedback.on_dense_step:
+            return comm.allreduce(x, op="avg")
+        out = get_array_module(x).zeros(x.shape, dtype=x.dtype)
+        out.reshape(-1)[block[0]:block[1]] = comm.reduce_scatter(x.reshape(-1), op="avg")
+        return out
+
+    def keep_rows(self, rows: "dict[str, tuple[int, int]] | None") -> None:
+        """Tell a matrix method which rows of each tensor's result the caller reads.
+
+        ``rows[name] = (lo, hi)``: only rows ``[lo, hi)`` of the first
+        dimension of tensor ``name``'s average are used (sharded training:
+        FSDP2 keeps this rank's chunk of rows). A method that can (GreedyLore)
+        then builds only those rows and leaves the others zero; every other
+        output, its state and error feedback are unchanged. ``None``: every row
+        (the default)."""
+        self._kept_rows = dict(rows) if rows else {}
+
+    def kept_rows(self, name: str) -> tuple[int, int] | None:
+        """The rows ``[lo, hi)`` of tensor ``name`` the caller reads (:meth:`keep_rows`), or ``None``."""
+        return getattr(self, "_kept_rows", {}).get(name)
 
     def _undo_step(self, name: str, prev: "TensorState | None", st: "TensorState") -> None:
         """Forget the step counted for ``name`` (its first call: the whole state) when the

@@ -67,6 +67,15 @@ Decisions where the paper leaves room (checked against its prose):
 * Error feedback is built in (``feedback="residual"``, default, or ``"none"``)
   rather than delegated to :mod:`horovod_compress.feedback`, because the SVD
   step must both bypass the error and reset it.
+* **Sharded training.** Under FSDP2 a rank keeps only its chunk of each
+  parameter's rows (:meth:`~.base.Method.keep_rows`); the estimate ``Q C``
+  is then built for those rows only (``Q[lo:hi] C``, or the matching
+  columns of a transposed tensor; the others are zero), (hi - lo)/m of that
+  product. The error ``A_i - Q C_i`` uses the rank's own ``C_i`` and is
+  computed as always, so the state and the error are the same bits as
+  without it, and so are the kept rows where the reconstruct kernels build
+  them (each entry computed alone); above their rank BLAS's GEMM on a row
+  subset may round differently (it did not in the tests).
 * **Per-step work** (implementation, same arithmetic; measured numbers in
   docs/methods/greedylore.md). An ordinary step streams the m x n matrices
   as few times as the data dependences allow: (1) one pass that adds
@@ -473,21 +482,23 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
         with comm.phase("greedylore.projection"):
             c = np.ascontiguousarray(comm.allreduce(c_local, op="avg"))
         local = self._low_rank(q, c_local, transposed) if want_local else None
+        rows = self.kept_rows(name)
         if fused:
             # e_i = A_i - Q C_i (eq. 9b) is not written: it is kept as A_i and the factors
             # (Q, C_i), and the next step's first pass applies them (add_lowrank_and_probe).
-            avg = self._low_rank(q, c, transposed)        # Q C (eq. 10), in x's orientation
+            avg = self._estimate(q, c, transposed, rows)  # Q C (eq. 10), in x's orientation
             self._spare_errors()[name] = e                # the old base is the next spare
             state.error_q, state.error_c = q, c_local
             new_error = a
         elif (self.error_feedback and owned and not transposed and q.shape[1] <= KERNEL_MAX_RANK
                 and _kernel_ready(q, c, c_local, a)):
-            # Q C (eq. 10) and e_i = A_i - Q C_i (eq. 9b) in one sweep of the rows
+            # Q C (eq. 10) and e_i = A_i - Q C_i (eq. 9b) in one sweep of the rows (all of them,
+            # kept or not: the sweep writes the error, and its bits must not depend on rows)
             avg = np.empty((m, n), dtype=a.dtype)
             reconstruct_and_subtract(q, c, c_local, avg, a)
             new_error = a
         else:
-            avg = self._low_rank(q, c, transposed)        # Q C, in x's orientation
+            avg = self._estimate(q, c, transposed, rows)  # Q C, in x's orientation
             new_error = None
             if self.error_feedback:                       # e_i = A_i - Q Q^T A_i (eq. 9b)
                 if owned and a.flags.c_contiguous and a.dtype in (np.float32, np.float64):
@@ -579,6 +590,24 @@ class GreedyLore(PeriodicSubspaceSchedule, Method):
             project(a, q, c)
             return c
         return np.ascontiguousarray((a.T @ q).T)
+
+    @classmethod
+    def _estimate(cls, q: np.ndarray, c: np.ndarray, transposed: bool,
+                  rows: tuple[int, int] | None) -> np.ndarray:
+        """The optimizer's ``Q C`` (eq. 10) in x's orientation; with ``rows = (lo, hi)``
+        (:meth:`~.base.Method.keep_rows`) only those rows, the others zero: ``Q[lo:hi] C``, or
+        ``(Q C[:, lo:hi])^T`` for a transposed tensor -- (hi - lo) / m of the product's work.
+        The error (eq. 9b) uses ``C_i``, not ``C``, so nothing else needs the other rows."""
+        if rows is None:
+            return cls._low_rank(q, c, transposed)
+        lo, hi = rows
+        shape = (c.shape[1], q.shape[0]) if transposed else (q.shape[0], c.shape[1])
+        out = np.zeros(shape, dtype=c.dtype)
+        lo, hi = max(0, lo), min(hi, shape[0])
+        if hi > lo:
+            out[lo:hi] = (cls._low_rank(q, np.ascontiguousarray(c[:, lo:hi]), True) if transposed
+                          else cls._low_rank(np.ascontiguousarray(q[lo:hi]), c, False))
+        return out
 
     @staticmethod
     def _low_rank(q: np.ndarray, c: np.ndarray, transposed: bool) -> np.ndarray:

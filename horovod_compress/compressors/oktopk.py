@@ -36,6 +36,13 @@ threshold that selects more than ``local_guard * k`` local or
 ``global_guard * k`` global entries is re-evaluated exactly on the spot
 (default 2; ``None`` disables a guard, giving the reference behaviour).
 
+Under :meth:`~.base.Method.reduce_scatter` (sharded training: rank j needs
+only block j of P equal blocks) the step runs the reduce-scatter variant,
+:func:`horovod_compress.mpi_collectives.oktopk_reduce_scatter.ok_sparse_reduce_scatter`:
+the local selection and split-and-reduce over the P blocks, no global
+re-selection and no allgatherv; rank j receives block j of
+``sum_i Sel(acc_i) / P`` and each rank's residual forgets everything it sent.
+
 State per tensor (checkpointed with the optimizer): ``local_th``,
 ``global_th``, ``boundaries`` (P+1 offsets), the residual ``fb_residual``,
 the step counter ``t``, and the last step's ``local_count``/``global_count``.
@@ -67,6 +74,7 @@ class OkTopk(Method):
     biased = True
     default_feedback = "residual"
     gpu_native = True  # the O(n) selection on the device, the O(k) collectives on the host
+    scatters = True    # reduce_scatter: split-and-reduce over the P blocks, no allgatherv
 
     def __init__(self, *, density: float = 0.01, k: int | None = None, tau: int = 64,
                  tau_prime: int = 32, warmup_steps: int = DEFAULT_WARMUP_STEPS,
@@ -124,11 +132,10 @@ class OkTopk(Method):
             return self._host_step(np.ascontiguousarray(x).reshape(-1), None, name, comm, state,
                                    x.shape)
         self._gate(None)
-        from ..mpi_collectives.oktopk import ok_sparse_allreduce
-
         flat = x.reshape(-1)
         step = state.t - self.warmup_steps  # Algorithm 1's t: 1 at the first sparse step
-        res = ok_sparse_allreduce(comm, flat, self.k_for(flat.size), step, state, self.schedule())
+        res = self._exchange(flat, comm)(comm, flat, self.k_for(flat.size), step, state,
+                                         self.schedule())
         avg = xp.zeros(flat.shape, flat.dtype)   # (np.zeros: calloc'd pages, no clearing pass)
         avg[as_module_array(res.indices, xp)] = as_module_array(
             res.values / flat.dtype.type(comm.size), xp)
@@ -137,6 +144,19 @@ class OkTopk(Method):
         local = sparse_local(self, name, flat.size, flat.dtype,
                              as_module_array(res.involved, xp), flat)
         return avg.reshape(x.shape), local.reshape(x.shape)
+
+    def _exchange(self, flat: Any, comm: Any) -> Any:
+        """Algorithm 1 (:func:`~horovod_compress.mpi_collectives.oktopk.ok_sparse_allreduce`),
+        or inside :meth:`~.base.Method.reduce_scatter` its reduce-scatter variant
+        (:func:`~horovod_compress.mpi_collectives.oktopk_reduce_scatter.ok_sparse_reduce_scatter`).
+
+        Imported here, not at module level: importing the package must not start MPI.
+        """
+        if self._scatter_block(flat, comm) is not None:
+            from ..mpi_collectives.oktopk_reduce_scatter import ok_sparse_reduce_scatter
+            return ok_sparse_reduce_scatter
+        from ..mpi_collectives.oktopk import ok_sparse_allreduce
+        return ok_sparse_allreduce
 
     def _reduce_residual(self, x: np.ndarray, e: np.ndarray, acc: np.ndarray, name: str,
                          comm: Any, state: TensorState
@@ -195,13 +215,12 @@ class OkTopk(Method):
         whose support EF14 reads).
         """
         from ..kernels.oktopk_fused import cancel_at, densify
-        from ..mpi_collectives.oktopk import ok_sparse_allreduce
 
         step = state.t - self.warmup_steps  # Algorithm 1's t: 1 at the first sparse step
         scratch = self.scratch.oktopk.setdefault(name, {})
-        res = ok_sparse_allreduce(comm, flat, self.k_for(flat.size), step, state,
-                                  self.schedule(), addends=addends, scratch=scratch,
-                                  gate=self._gate)
+        res = self._exchange(flat, comm)(comm, flat, self.k_for(flat.size), step, state,
+                                         self.schedule(), addends=addends, scratch=scratch,
+                                         gate=self._gate)
         with _timeline.span("oktopk.densify", "decompress", entries=int(res.indices.size)):
             avg = densify(flat.size, res.indices, res.values, comm.size, flat.dtype)
         if residual:

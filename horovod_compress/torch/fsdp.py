@@ -44,7 +44,10 @@ shard:
 * matrix methods (``layout == "matrix"``: PowerSGD, GreedyLore, ARC-Top-K,
   the row baselines) run on each parameter's gradient in its own shape,
   gathered from the buffer's rows (padding rows dropped), with their state
-  per parameter, and write back only the rows of this rank's chunk. A
+  per parameter, and write back only the rows of this rank's chunk
+  (:meth:`~horovod_compress.compressors.base.Method.keep_rows` tells the
+  method which: GreedyLore builds only those rows of its ``Q C``; PowerSGD's
+  and ARC-Top-K's error feedback needs every row of their result anyway). A
   module's per-parameter collectives are fused as in the DDP hook.
 
 The divide factor and the reduce dtype. FSDP gives the method a buffer in
@@ -134,6 +137,11 @@ class _Layout:
         return np.ascontiguousarray(full[:self.shapes[i][0]]) if self.shapes[i] else \
             np.ascontiguousarray(full.reshape(()))
 
+    def row_ranges(self, rank: int) -> dict[str, tuple[int, int]]:
+        """Each parameter's rows ``[lo, hi)`` (of its unpadded first dimension) in rank ``rank``'s chunk."""
+        return {name: (rank * rows, min((rank + 1) * rows, shape[0]))
+                for name, rows, shape in zip(self.names, self.rows, self.shapes) if shape}
+
     def local_rows(self, avg: np.ndarray, i: int, rank: int) -> np.ndarray:
         """Rank ``rank``'s chunk of parameter i's average ``avg`` (padding rows zero), flat."""
         rows = self.rows[i]
@@ -175,6 +183,9 @@ class _FSDPBuffer:
             raise ValueError(f"{self._state.method.name}: matrix methods need FSDP's default "
                              f"Shard(0) placement, got dims {lay.shard_dims} for {lay.names}")
         buf = to_numpy(self._in).reshape(lay.world, -1)
+        # only this rank's rows of each average are read (write below): a method that can
+        # builds only those (GreedyLore's Q C)
+        self._state.method.keep_rows(lay.row_ranges(rank))
         slots = []
         for i in range(len(lay.names)):
             def write(avg: Any, i: int = i) -> None:
