@@ -249,7 +249,8 @@ def case_p2p_gather_matches_the_collectives(comm):
     paper's count allgather + allgatherv (``p2p_gather_max_ranks=1``): the same output, residual
     and thresholds bit for bit every step, on reused-threshold steps, a guard step (a 20x jump at
     step 10) and -- with ``balance_factor=1`` (a cap of k/P entries per message) -- steps where
-    some ranks send only their header and their parts follow in an allgatherv (balanced first)."""
+    some ranks send only their header and their parts follow in an allgatherv (balanced first);
+    then 12 steps of float64 values."""
     n, density, steps = 20_000, 0.01, 40
     out = {}
     for factor in (4.0, 1.0):
@@ -276,6 +277,14 @@ def case_p2p_gather_matches_the_collectives(comm):
                 if sa["global_count_reused"] <= 2 * direct.k_for(n):
                     assert "allgather" not in ops, (factor, step, ops)   # no count allgather
         out[str(factor)] = {"header_only_steps": header_only, "guard_steps": guard}
+    # float64 values travel as 12-byte entries behind the 8-byte-aligned header
+    kw = dict(density=density, warmup_steps=0, balance_factor=1.0)
+    direct, paper = hvdc.Compression.oktopk(**kw), hvdc.Compression.oktopk(p2p_gather_max_ranks=1, **kw)
+    stream = _Stream(comm.rank, n)
+    for step in range(1, 13):
+        g = stream.next().astype(np.float64) * (20.0 if step >= 7 else 1.0)
+        a, b = direct.allreduce(g, "w", comm), paper.allreduce(g, "w", comm)
+        assert a.dtype == np.float64 and np.array_equal(a, b), ("float64", step)
     return out
 
 
