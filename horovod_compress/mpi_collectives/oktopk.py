@@ -19,7 +19,12 @@ vector (Section 3.1), computed with two phases of communication:
    allgathered; when the largest count exceeds ``balance_factor`` times the
    mean (the paper uses 4) entries are moved point-to-point so every rank
    holds an equal share; an allgatherv gives every rank ``u``. At most
-   ``4k(P-1)/P`` words (Equation 2).
+   ``4k(P-1)/P`` words (Equation 2). Ours, for P <= ``p2p_gather_max_ranks``
+   (8) on a step that reuses the global threshold: :func:`exchange_parts`
+   sends every rank's part to every peer in one point-to-point round with the
+   counts in the messages' headers (no count allgather, no allgatherv); a
+   part above ``2k/P`` entries (:func:`p2p_gather_cap`) sends only its header
+   and follows in :func:`complete_parts`' balance-and-allgatherv. Same ``u``.
 
 The boundaries are recomputed every ``tau`` steps (:func:`local_region_boundaries`
 then :func:`agree_boundaries`: an allreduce of a P-vector); the local and
@@ -40,15 +45,17 @@ The boundaries are also recomputed at sparse steps 2, 3, 5, 9, ... below
 distribution of the local top-k across the index space moves fastest.
 
 Round trips (each collective call is one on a slow link; ours, the paper
-counts only volume). A step that reuses both thresholds makes two collective
-calls: one allgather that carries every rank's count (with its largest
-candidate key) and one allgatherv of the global top-k, plus one round of
-point-to-point messages per bucket of split-and-reduce (one for P <= 5 with
-the reference's bucket size 4) and the balancing messages when they run.
-A scheduled exact step (one in ``tau_prime``) also makes two: the same count
+counts only volume). A step that reuses both thresholds makes, up to 8
+ranks, no collective call: one round of point-to-point messages per bucket of
+split-and-reduce (one for P <= 5 with the reference's bucket size 4), then one
+round carrying the global top-k with every rank's count (and its largest
+candidate key) in the headers, plus an allgatherv when a part exceeds the cap.
+Above 8 ranks it makes two, as in the paper: one allgather of the counts and
+one allgatherv of the global top-k (and the balancing messages when they run).
+A scheduled exact step (one in ``tau_prime``) makes two: a count
 allgather and the allgatherv of the union. A repartition costs no call of its
 own: when step t+1 is due, the proposals for it (from step t's local top-k)
-ride on step t's count allgather and every rank averages them -- a deviation
+ride on step t's headers (count allgather or messages) and every rank averages them -- a deviation
 from Algorithm 1, lines 5-7, which use step t+1's own local top-k: the
 boundaries are one step older (they are reused for ``tau`` steps anyway, and
 any boundaries give the same result; they only balance the work). Only the
