@@ -43,6 +43,14 @@ the local selection and split-and-reduce over the P blocks, no global
 re-selection and no allgatherv; rank j receives block j of
 ``sum_i Sel(acc_i) / P`` and each rank's residual forgets everything it sent.
 
+Global top-k exchange (ours): up to ``p2p_gather_max_ranks`` ranks (default 8)
+a step that reuses the global threshold sends every rank's part of ``u``
+point to point to every peer in one round, its count in the message's header,
+instead of the paper's count allgather then allgatherv (Section 3.1.2): one
+synchronising round instead of two, the same result bit for bit
+(:func:`~horovod_compress.mpi_collectives.oktopk.exchange_parts`). Pass
+``p2p_gather_max_ranks=1`` for the paper's two collectives.
+
 State per tensor (checkpointed with the optimizer): ``local_th``,
 ``global_th``, ``boundaries`` (P+1 offsets), the residual ``fb_residual``,
 the step counter ``t``, and the last step's ``local_count``/``global_count``.
@@ -80,6 +88,7 @@ class OkTopk(Method):
                  tau_prime: int = 32, warmup_steps: int = DEFAULT_WARMUP_STEPS,
                  bucket_size: int = 4, balance_factor: float = 4.0,
                  local_guard: float | None = 2.0, global_guard: float | None = 2.0,
+                 p2p_gather_max_ranks: int = 8,
                  feedback: str | None = None, seed: int = 0, **feedback_params: Any) -> None:
         self.density = check_density(self.name, density)
         self.k = None if k is None else check_int(self.name, "k", k, 1)
@@ -91,6 +100,8 @@ class OkTopk(Method):
                             check_float(self.name, "local_guard", local_guard, 1.0))
         self.global_guard = (None if global_guard is None else
                              check_float(self.name, "global_guard", global_guard, 1.0))
+        self.p2p_gather_max_ranks = check_int(self.name, "p2p_gather_max_ranks",
+                                              p2p_gather_max_ranks, 1)
         super().__init__(feedback=feedback, warmup_steps=warmup_steps, seed=seed,
                          **feedback_params)
 
@@ -98,7 +109,8 @@ class OkTopk(Method):
         return {"density": self.density, "k": self.k, "tau": self.tau,
                 "tau_prime": self.tau_prime, "bucket_size": self.bucket_size,
                 "balance_factor": self.balance_factor, "local_guard": self.local_guard,
-                "global_guard": self.global_guard, **self.feedback.params()}
+                "global_guard": self.global_guard,
+                "p2p_gather_max_ranks": self.p2p_gather_max_ranks, **self.feedback.params()}
 
     def k_for(self, n: int) -> int:
         """k for a tensor of n entries: ``k`` if given (may exceed n), else density * n."""
@@ -117,7 +129,8 @@ class OkTopk(Method):
             tau=self.tau, tau_prime=self.tau_prime, bucket_size=self.bucket_size,
             balance_factor=self.balance_factor,
             local_guard=math.inf if self.local_guard is None else self.local_guard,
-            global_guard=math.inf if self.global_guard is None else self.global_guard)
+            global_guard=math.inf if self.global_guard is None else self.global_guard,
+            p2p_gather_max_ranks=self.p2p_gather_max_ranks)
 
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
                 state: TensorState) -> tuple[np.ndarray, np.ndarray | None]:

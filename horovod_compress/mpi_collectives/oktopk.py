@@ -19,7 +19,12 @@ vector (Section 3.1), computed with two phases of communication:
    allgathered; when the largest count exceeds ``balance_factor`` times the
    mean (the paper uses 4) entries are moved point-to-point so every rank
    holds an equal share; an allgatherv gives every rank ``u``. At most
-   ``4k(P-1)/P`` words (Equation 2).
+   ``4k(P-1)/P`` words (Equation 2). Ours, for P <= ``p2p_gather_max_ranks``
+   (8) on a step that reuses the global threshold: :func:`exchange_parts`
+   sends every rank's part to every peer in one point-to-point round with the
+   counts in the messages' headers (no count allgather, no allgatherv); a
+   part above ``2k/P`` entries (:func:`p2p_gather_cap`) sends only its header
+   and follows in :func:`complete_parts`' balance-and-allgatherv. Same ``u``.
 
 The boundaries are recomputed every ``tau`` steps (:func:`local_region_boundaries`
 then :func:`agree_boundaries`: an allreduce of a P-vector); the local and
@@ -40,15 +45,17 @@ The boundaries are also recomputed at sparse steps 2, 3, 5, 9, ... below
 distribution of the local top-k across the index space moves fastest.
 
 Round trips (each collective call is one on a slow link; ours, the paper
-counts only volume). A step that reuses both thresholds makes two collective
-calls: one allgather that carries every rank's count (with its largest
-candidate key) and one allgatherv of the global top-k, plus one round of
-point-to-point messages per bucket of split-and-reduce (one for P <= 5 with
-the reference's bucket size 4) and the balancing messages when they run.
-A scheduled exact step (one in ``tau_prime``) also makes two: the same count
+counts only volume). A step that reuses both thresholds makes, up to 8
+ranks, no collective call: one round of point-to-point messages per bucket of
+split-and-reduce (one for P <= 5 with the reference's bucket size 4), then one
+round carrying the global top-k with every rank's count (and its largest
+candidate key) in the headers, plus an allgatherv when a part exceeds the cap.
+Above 8 ranks it makes two, as in the paper: one allgather of the counts and
+one allgatherv of the global top-k (and the balancing messages when they run).
+A scheduled exact step (one in ``tau_prime``) makes two: a count
 allgather and the allgatherv of the union. A repartition costs no call of its
 own: when step t+1 is due, the proposals for it (from step t's local top-k)
-ride on step t's count allgather and every rank averages them -- a deviation
+ride on step t's headers (count allgather or messages) and every rank averages them -- a deviation
 from Algorithm 1, lines 5-7, which use step t+1's own local top-k: the
 boundaries are one step older (they are reused for ``tau`` steps anyway, and
 any boundaries give the same result; they only balance the work). Only the
@@ -117,6 +124,7 @@ from .coo_messages import (
 
 TAG_SPLIT = 7301
 TAG_BALANCE = 7302
+TAG_GATHER = 7303
 
 
 # ------------------------------------------------------------- boundaries
@@ -229,25 +237,27 @@ def split_and_reduce(comm: Any, indices: np.ndarray, values: np.ndarray,
     return acc_idx.astype(np.int64, copy=False), acc_val.astype(values.dtype)
 
 
-def receive_bucket(comm: Any, sources: list[int], early: dict[int, np.ndarray]) -> list[np.ndarray]:
-    """One split-and-reduce message from each of ``sources``, returned in the order of ``sources``.
+def receive_bucket(comm: Any, sources: list[int], early: dict[int, np.ndarray],
+                   tag: int = TAG_SPLIT) -> list[np.ndarray]:
+    """One message with ``tag`` from each of ``sources``, returned in the order of ``sources``.
 
     Received in the order they arrive (``comm.recv_any``, where the backend
     has it): waiting for the sources in schedule order would leave a rank
     blocked on a late peer while the others' messages wait, already sent --
     and, for messages above the eager limit, not even moved, since a
     rendezvous transfer starts only when its receive is posted. Every rank
-    sends exactly one message with ``TAG_SPLIT`` to each other rank per call,
+    sends exactly one message with ``tag`` to each other rank per call
+    (``TAG_SPLIT`` in split-and-reduce, ``TAG_GATHER`` in :func:`exchange_parts`),
     so one from a later bucket's source is kept in ``early`` for its bucket.
     The sums do not depend on the order of arrival: :func:`split_and_reduce`
     reduces the messages in schedule order.
     """
     recv_any = getattr(comm, "recv_any", None)
     if recv_any is None:
-        return [comm.recv(src, TAG_SPLIT, dtype=np.uint8) for src in sources]
+        return [comm.recv(src, tag, dtype=np.uint8) for src in sources]
     got = {src: early.pop(src) for src in sources if src in early}
     while len(got) < len(sources):
-        src, data = recv_any(TAG_SPLIT, dtype=np.uint8)
+        src, data = recv_any(tag, dtype=np.uint8)
         (got if src in sources else early)[src] = data
     return [got[src] for src in sources]
 
@@ -323,6 +333,101 @@ def balance_and_allgatherv(comm: Any, indices: np.ndarray, values: np.ndarray,
     everything = allgatherv_entries(comm, entries, counts)
     idx, val = split(everything)
     return idx, val, balanced
+
+
+# ------------------------------------------ the global top-k point to point
+def p2p_gather_cap(k: int, nranks: int, schedule: "OkTopkSchedule") -> int:
+    """Most entries a rank sends to every peer in :func:`exchange_parts`: ``c k / P``.
+
+    ``c = min(global_guard, balance_factor)`` (2 with the defaults). When every
+    rank's part is at most ``global_guard k / P`` the total is at most
+    ``global_guard k``, so the global guard cannot trip and the parts that
+    moved are exactly the allgatherv's; a rank sends at most ``2 c k (P-1)/P``
+    words, Equation 2's ``4k(P-1)/P`` at ``c = 2``.
+    """
+    return int(min(schedule.global_guard, schedule.balance_factor) * k // nranks)
+
+
+def exchange_parts(comm: Any, entries: np.ndarray, header: np.ndarray, send_entries: bool
+                   ) -> tuple[np.ndarray, list[tuple[np.ndarray, np.ndarray] | None]]:
+    """One point-to-point round: this rank's ``header`` and (``send_entries``) ``entries`` to every peer.
+
+    Ours, in place of the count allgather and the allgatherv of Section 3.1.2
+    for P <= ``p2p_gather_max_ranks``: every rank sends one message to each
+    other rank (destinations rotated, (r+s) % P at s = 1 .. P-1, as in Figure
+    2(c)) and takes the P-1 messages in the order they arrive
+    (:func:`receive_bucket`; sizes from the messages). That is one
+    synchronising round where the count allgather and the allgatherv were two
+    (the allgatherv a ring of P-1 dependent steps); each rank sends
+    ``(P-1) c_r`` entries, the same as the ring's ``sum of the others' c_j``
+    when the parts are balanced.
+
+    ``header`` (int64, same length on every rank) starts with the entry count;
+    a message carries the entries iff its length says so, so an empty part and
+    a header-only message are told apart. Returns ``(headers, parts)``:
+    ``headers[j]`` rank j's header (identical on every rank) and ``parts[j]``
+    rank j's ``(int64 indices, values)``, or ``None`` where j sent only its
+    header (and for this rank when ``send_entries`` is false).
+    """
+    p, r = comm.size, comm.rank
+    head = np.ascontiguousarray(header, dtype=np.int64)
+    if int(head[0]) != entries.size:
+        raise ValueError(f"rank {r}: header count {int(head[0])} but {entries.size} entries")
+    msg = head.view(np.uint8)
+    if send_entries and entries.size:
+        msg = np.concatenate([msg, as_bytes(entries)])
+    sends = [comm.isend(msg, (r + s) % p, TAG_GATHER) for s in range(1, p)]
+    sources = [(r - s) % p for s in range(1, p)]
+    received = receive_bucket(comm, sources, {}, TAG_GATHER)
+    wait_all(sends)
+    headers = np.empty((p, head.size), np.int64)
+    headers[r] = head
+    parts: list[tuple[np.ndarray, np.ndarray] | None] = [None] * p
+    if send_entries:
+        parts[r] = split(entries)
+    hb = head.nbytes
+    for src, buf in zip(sources, received):
+        if buf.size < hb:
+            raise RuntimeError(f"oktopk: a {buf.size}-byte message from rank {src}, "
+                               f"shorter than the {hb}-byte header")
+        headers[src] = np.ascontiguousarray(buf[:hb]).view(np.int64)
+        body = buf[hb:]
+        if body.size == int(headers[src, 0]) * entries.dtype.itemsize:
+            parts[src] = split(from_bytes(body, entries.dtype["value"]))
+    return headers, parts
+
+
+def complete_parts(comm: Any, parts: list[tuple[np.ndarray, np.ndarray] | None],
+                   indices: np.ndarray, values: np.ndarray, counts: np.ndarray,
+                   balance_factor: float = 4.0) -> tuple[np.ndarray, np.ndarray, bool]:
+    """Every rank's part in rank order, the parts :func:`exchange_parts` did not carry added.
+
+    ``indices, values`` are this rank's part, ``counts`` every rank's count.
+    The parts of ranks that sent only their header come in one
+    :func:`balance_and_allgatherv` (the other ranks contribute nothing to it),
+    so the result is what one balance-and-allgatherv of every part gives
+    (identical on every rank). Returns ``(indices, values, balanced)``.
+    """
+    p, r = comm.size, comm.rank
+    missing = np.array([part is None for part in parts])
+    m_counts = np.where(missing, np.asarray(counts, dtype=np.int64), 0)
+    rest_idx, rest_val, balanced = indices[:0], values[:0], False
+    if missing.any():
+        mine = (indices, values) if missing[r] else (indices[:0], values[:0])
+        rest_idx, rest_val, balanced = balance_and_allgatherv(comm, mine[0], mine[1],
+                                                              balance_factor, m_counts)
+    off = _offsets(m_counts)
+    pieces = []
+    for j in range(p):
+        if j == r:
+            pieces.append((indices, values))
+        elif missing[j]:
+            pieces.append((rest_idx[off[j]:off[j + 1]], rest_val[off[j]:off[j + 1]]))
+        else:
+            pieces.append(parts[j])
+    u_idx = np.concatenate([q[0] for q in pieces]).astype(np.int64, copy=False)
+    u_val = np.concatenate([q[1] for q in pieces]).astype(values.dtype, copy=False)
+    return u_idx, u_val, balanced
 
 
 # ------------------------------------------------- distributed exact selection
@@ -475,6 +580,7 @@ class OkTopkSchedule:
     local_guard: float = 2.0        # re-evaluate local_th when a reused one selects > guard*k
     global_guard: float = 2.0       # re-select exactly when a reused global_th selects > guard*k
     radix_bits: int = 13            # at most 2**radix_bits buckets per round of the exact select
+    p2p_gather_max_ranks: int = 8   # up to this P, the global top-k goes point to point (ours)
 
 
 @dataclass
@@ -683,12 +789,19 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
     bounds = np.asarray(bounds, dtype=np.int64)
     propose = p > 1 and repartition_due(step + 1, schedule)
 
-    def count_exchange(count: int, max_key: int) -> tuple[np.ndarray, int]:
-        """One allgather: every rank's count, the largest key, next step's boundaries."""
+    def count_header(count: int, max_key: int) -> np.ndarray:
+        """This rank's count, its largest key and (when due) its proposal of next step's boundaries."""
         msg = [np.array([count, max_key], dtype=np.int64)]
         if propose:
             msg.append(local_region_boundaries(idx, n, p)[1:p])
-        rows = comm.allgather(np.concatenate(msg)).reshape(p, -1)
+        return np.concatenate(msg)
+
+    def count_exchange(count: int, max_key: int) -> tuple[np.ndarray, int]:
+        """One allgather of the headers: every rank's count, the largest key, next step's boundaries."""
+        return read_headers(comm.allgather(count_header(count, max_key)).reshape(p, -1))
+
+    def read_headers(rows: np.ndarray) -> tuple[np.ndarray, int]:
+        """Every rank's count and the largest key from the P headers; next step's boundaries agreed."""
         if propose:
             nxt = np.empty(p + 1, dtype=np.int64)
             nxt[0], nxt[p] = 0, n
@@ -715,9 +828,19 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
         global_reused = int(u_idx.size)
         state.global_th = gth
     else:
-        with comm.phase("oktopk.balance_and_allgatherv"):
+        direct = 1 < p <= schedule.p2p_gather_max_ranks
+        with comm.phase("oktopk.gather_p2p" if direct else "oktopk.balance_and_allgatherv"):
             g_idx, g_val, top = filter_at_least(red_idx, red_val, gth)
-            counts, top_key = count_exchange(g_idx.size, abs_key(top, g_val.dtype))
+            parts = None
+            if direct:
+                # one round of messages, the counts in their headers (exchange_parts); a part
+                # above the cap sends only its header and follows in complete_parts
+                rows, parts = exchange_parts(
+                    comm, make_entries(g_idx, g_val), count_header(g_idx.size, abs_key(top, g_val.dtype)),
+                    g_idx.size <= p2p_gather_cap(k, p, schedule))
+                counts, top_key = read_headers(rows)
+            else:
+                counts, top_key = count_exchange(g_idx.size, abs_key(top, g_val.dtype))
             global_reused = int(counts.sum())
             if global_reused > schedule.global_guard * k:
                 # the reused threshold went stale: the candidates (keys between gth's and the
@@ -730,9 +853,16 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
                         bits=radix_bits_for(k, schedule.radix_bits), with_counts=True,
                         count_dtype=np.int32 if global_reused < 2**31 else np.int64)
                 g_idx, g_val, _ = filter_at_least(g_idx, g_val, gth)
+                if parts is not None:   # the parts already here: the same filter as their ranks'
+                    parts = [None if q is None else filter_at_least(q[0], q[1], gth)[:2]
+                             for q in parts]
                 exact_global = True
-            u_idx, u_val, balanced = balance_and_allgatherv(
-                comm, g_idx, g_val, schedule.balance_factor, counts)
+            if parts is None:
+                u_idx, u_val, balanced = balance_and_allgatherv(
+                    comm, g_idx, g_val, schedule.balance_factor, counts)
+            else:
+                u_idx, u_val, balanced = complete_parts(
+                    comm, parts, g_idx, g_val, counts, schedule.balance_factor)
         rec = timeline.recorder
         if rec is not None:         # every rank's share of u: the regions' balance, as a mark
             now = time.perf_counter()
@@ -754,7 +884,8 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
 
 
 __all__ = ["OkTopkResult", "OkTopkSchedule", "abs_key", "agree_boundaries", "balance",
-           "balance_and_allgatherv", "balanced_shares", "distributed_kth_largest_abs",
+           "balance_and_allgatherv", "balanced_shares", "complete_parts", "distributed_kth_largest_abs",
+           "exchange_parts", "p2p_gather_cap",
            "local_region_boundaries", "max_abs_key", "radix_bits_for", "radix_rounds",
            "receive_bucket", "repartition_due", "rotation_schedule", "ok_sparse_allreduce", "region_cuts",
            "split_and_reduce"]

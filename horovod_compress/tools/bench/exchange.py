@@ -92,6 +92,14 @@ def measure(comm: Any, spec: str, kind: str, n: int, warm: int, steps: int,
     return out
 
 
+def file_label(spec: str) -> str:
+    """The file-name part of a method spec: ``name``, or ``name_key-value_...`` with parameters
+    (so ``oktopk`` and ``oktopk:{"p2p_gather_max_ranks": 1}`` in one run write different files)."""
+    name, _, raw = spec.partition(":")
+    params = json.loads(raw) if raw else {}
+    return "_".join([name] + [f"{k}-{v}" for k, v in sorted(params.items())])
+
+
 def last_call_window(trace: dict[str, Any], method: str) -> tuple[float, float]:
     """The milliseconds of the last call of ``method`` in ``trace`` (earliest start to latest end
     over the ranks), with a millisecond either side."""
@@ -125,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     methods = [m for m in args.methods.split(",") if m]
     for kind in args.gradients.split(","):
         for spec in methods:
-            label = spec.partition(":")[0]
+            label = file_label(spec)
             trace = None if args.no_traces else out / f"{name}_{label}_{kind}.json"
             res = measure(comm, spec, kind, args.n, args.warm, args.steps, trace)
             result["results"][f"{spec} {kind}"] = res
