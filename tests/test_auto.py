@@ -248,10 +248,35 @@ def case_torch_optimizer_with_auto(comm):
     return {"buckets": len(method.decisions())}
 
 
+def case_bound_rules_out_and_shapes_share(comm):
+    """On a slow synthetic link a 256 Ki-value bucket's slice (1/16) prices dense far above
+    Top-k, so dense is not dry-run on the bucket (its row is the slice's extrapolation); a
+    second bucket of the same values reuses the measurement, one of another size measures."""
+    from horovod_compress.compressors.auto_bound import BOUND_DIVISOR, BOUND_MIN_SLICE
+    n = BOUND_DIVISOR * BOUND_MIN_SLICE
+    method = hvdc.Compression.auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
+                                   measure_hook=SyntheticLink(SLOW))
+    for bucket in ("a", "b"):
+        method.allreduce(_grad(comm.rank, 1, n), bucket, comm)
+    method.allreduce(_grad(comm.rank, 1, N_SYN), "c", comm)
+    d = method.decisions()
+    assert [d[b]["chosen"] for b in "abc"] == ["topk"] * 3
+    assert d["a"]["candidates"]["none"]["dry_run"] == f"slice 1/{BOUND_DIVISOR}"
+    assert d["a"]["candidates"]["topk"]["dry_run"] == "bucket"
+    assert d["b"]["shared_with"] == "a" and d["b"]["candidates"] == d["a"]["candidates"]
+    assert d["c"]["shared_with"] is None and d["c"]["candidates"]["none"]["dry_run"] == "bucket"
+    cost = method.decision_cost()
+    assert (cost["measured"], cost["shared"], cost["ruled_out"]) == (2, 1, 1)
+    # the slice extrapolation of dense: 16x the slice's compression and bytes, alpha kept
+    row = d["a"]["candidates"]["none"]
+    assert row["predicted_ms"] > 10 * d["a"]["candidates"]["topk"]["predicted_ms"]
+    return {"none_ms": row["predicted_ms"], "topk_error": d["a"]["candidates"]["topk"]["error"]}
+
+
 CORE_CASES = [case_all_ranks_choose_the_same, case_crafted_disagreement_yields_one_decision,
               case_drift_redecides_with_hysteresis, case_switch_flushes_the_residual,
               case_error_budget_excludes_a_faster_method,
-              case_checkpoint_after_switch_resumes_bit_identical]
+              case_checkpoint_after_switch_resumes_bit_identical, case_bound_rules_out_and_shapes_share]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
@@ -294,6 +319,13 @@ def test_checkpoint_after_switch_resumes_bit_identical(mpi):
     assert all(v == {"decisions": 3} for v in mpi[case_checkpoint_after_switch_resumes_bit_identical].values())
 
 
+def test_bound_rules_out_and_shapes_share(mpi):
+    out = mpi[case_bound_rules_out_and_shapes_share]
+    assert len({v["none_ms"] for v in out.values()}) == 1      # agreed: the same on every rank
+    # Top-k's error came from the slice (no dense reference on the bucket): about 0.9 at 1%
+    assert all(0.5 < v["topk_error"] < 1.1 for v in out.values())
+
+
 def test_torch_optimizer_with_auto():
     """Two ranks suffice for the front-end path (the cases above cover P = 4)."""
     out = run_cases(2, __file__, [case_torch_optimizer_with_auto], timeout=600)[case_torch_optimizer_with_auto]
@@ -310,6 +342,14 @@ def test_prediction_reproduces_the_probed_calls():
     m = _m(0.002, allreduce=(2, 4e6, 4e6, 0.05, 1e-4), allgatherv=(1, 1e5, 1e5, 0.004, 5e-5))
     assert predict_exchange("x", m, 4) == pytest.approx(0.002 + 0.05 + 0.004, rel=1e-9)
     assert predict_exchange("x", _m(0.001), 2) == 0.001
+
+
+def test_prediction_extrapolates_a_slice_linearly_in_bytes():
+    """A slice 4x smaller: compression and the bandwidth term grow 4x, the latency term does not."""
+    m = _m(0.001, allreduce=(1, 1e6, 1e6, 0.0101, 1e-4))
+    whole = predict_exchange("x", m, 2, scale=4.0)
+    assert whole == pytest.approx(4 * 0.001 + 1e-4 + 4 * 0.01, rel=1e-6)
+    assert predict_exchange("x", _m(0.001), 2, scale=4.0) == pytest.approx(0.004)
 
 
 def test_choose_budget_tie_and_margin():
