@@ -27,9 +27,9 @@ import horovod_compress as hvdc
 from horovod_compress.mpi_collectives import Communicator
 from horovod_compress.torch import DistributedOptimizer
 
-IN, WIDTH, LAYERS, BATCH = 256, 1024, 3, 32
+IN, WIDTH, LAYERS, BATCH = 256, 512, 3, 32
 STEPS = int(os.environ.get("AUTO_COST_STEPS", "1000"))    # fewer for a smoke test
-BUCKET_BYTES = 5 << 20       # one hidden layer (4 MiB + its bias) per bucket
+BUCKET_BYTES = 1100 << 10   # one hidden layer (1 MiB + its bias) per bucket
 
 
 def _model() -> torch.nn.Module:
@@ -74,7 +74,7 @@ def main() -> None:
           f"{'; 4 ranks on 2 cores: oversubscribed' if comm.size > (os.cpu_count() or 1) else ''}. "
           f"MLP {IN}-{'-'.join([str(WIDTH)] * (LAYERS + 1))}-10 ({n_params:,} parameters), batch "
           f"{BATCH} per rank, {STEPS} SGD steps, one thread per rank; buckets of at most "
-          f"{BUCKET_BYTES >> 20} MiB. Times are the slowest rank's.\n")
+          f"{BUCKET_BYTES / 2 ** 20:.2f} MiB. Times are the slowest rank's.\n")
     print("| 1,000-step run (s) | deciding (s) | of which the first decision (s) | drift checks (s) | "
           "deciding + checks / run | decisions measured | shared | candidates ruled out by the bound |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")

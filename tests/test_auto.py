@@ -273,10 +273,35 @@ def case_bound_rules_out_and_shapes_share(comm):
     return {"none_ms": row["predicted_ms"], "topk_error": d["a"]["candidates"]["topk"]["error"]}
 
 
+def case_drift_recheck_on_slices(comm):
+    """A drift whose slices still rank the running method first keeps it without a dry run on
+    the bucket: its new prediction is the exchange time the last window measured."""
+    from horovod_compress.compressors.auto_bound import BOUND_DIVISOR, BOUND_MIN_SLICE
+    n = BOUND_DIVISOR * BOUND_MIN_SLICE
+    link = SyntheticLink(SLOW)
+    method = hvdc.Compression.auto(candidates=["none", "topk"], window=2, patience=1, band=0.5,
+                                   dry_runs=1, probe_repeats=1, measure_hook=link)
+    for t in range(1, 5):            # Top-k; the window of calls 2-3 is the reference
+        method.allreduce(_grad(comm.rank, t, n), "b", comm)
+    before = method.decisions()["b"]["predicted_ms"]
+    link.rate = SLOW / 10            # every byte 10x slower: Top-k still far ahead of dense
+    for t in range(5, 8):            # the window of calls 4-5 is out of band; call 6 re-checks
+        method.allreduce(_grad(comm.rank, t, n), "b", comm)
+    log = method.decision_log()
+    d = log[1]
+    assert d["reason"] == "drift, re-checked" and d["chosen"] == "topk" and not d["switched"]
+    assert d["candidates"]["none"]["dry_run"].startswith("slice")
+    assert d["candidates"]["topk"]["dry_run"] == "the last window's steps"
+    cost = method.decision_cost()
+    assert (cost["measured"], cost["rechecked"]) == (1, 1)
+    return {"ratio": d["predicted_ms"] / before}
+
+
 CORE_CASES = [case_all_ranks_choose_the_same, case_crafted_disagreement_yields_one_decision,
               case_drift_redecides_with_hysteresis, case_switch_flushes_the_residual,
               case_error_budget_excludes_a_faster_method,
-              case_checkpoint_after_switch_resumes_bit_identical, case_bound_rules_out_and_shapes_share]
+              case_checkpoint_after_switch_resumes_bit_identical, case_bound_rules_out_and_shapes_share,
+              case_drift_recheck_on_slices]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
@@ -324,6 +349,13 @@ def test_bound_rules_out_and_shapes_share(mpi):
     assert len({v["none_ms"] for v in out.values()}) == 1      # agreed: the same on every rank
     # Top-k's error came from the slice (no dense reference on the bucket): about 0.9 at 1%
     assert all(0.5 < v["topk_error"] < 1.1 for v in out.values())
+
+
+def test_drift_recheck_on_slices(mpi):
+    # the window after the change measured Top-k's exchange several times slower (the synthetic
+    # link's bytes at a tenth of the rate, its compression time unchanged), the same on every rank
+    ratios = {v["ratio"] for v in mpi[case_drift_recheck_on_slices].values()}
+    assert len(ratios) == 1 and ratios.pop() > 1.5
 
 
 def test_torch_optimizer_with_auto():

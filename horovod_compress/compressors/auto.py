@@ -64,6 +64,10 @@ CARRIED_FEEDBACK = ("none", "residual")
 #: rounds there, so they run dense without measuring.
 DEFAULT_MIN_NUMEL = 4096
 
+#: A drift re-decision that keeps the bucket's method doubles the windows out of band the next
+#: one needs, up to this factor times ``patience`` (a switch, or any other decision, resets it).
+DRIFT_BACKOFF = 2
+
 log = logging.getLogger(__name__)
 
 
@@ -150,7 +154,7 @@ class Auto(Method):
         self._tiny: dict[str, float] = {}       # latency probes of this link, op -> seconds
         self._tiny_world = 0                    # the world size they were taken at
         self._cost = {"deciding_s": 0.0, "first_s": 0.0, "checking_s": 0.0, "measured": 0,
-                      "shared": 0, "ruled_out": 0}
+                      "rechecked": 0, "shared": 0, "ruled_out": 0}
         self._active: Method | None = None
         self.set_nonfinite(self.nonfinite)
 
@@ -306,8 +310,14 @@ class Auto(Method):
             self._hand_over(name, self.candidates[current.chosen])
         self._decisions[name] = decision
         self._history.append(decision)
+        patience = self.patience
+        previous = self._monitors.get(name)
+        if reason == "drift" and not decision.switched and previous is not None:
+            # a re-decision that kept the method: the drift was noise (a loaded machine's phases),
+            # so the next one needs twice the windows, up to DRIFT_BACKOFF x the setting
+            patience = min(2 * previous.patience, DRIFT_BACKOFF * self.patience)
         self._monitors[name] = DriftMonitor(max(decision.predicted_ms, 0.0) / 1e3, self.window,
-                                            self.band, self.patience)
+                                            self.band, patience)
         if comm.rank == 0:
             log.info(decision.line())
 
@@ -331,9 +341,15 @@ class Auto(Method):
             self._tiny, self._tiny_world = {}, comm.size      # the link changed: probe it again
         labels = list(self.candidates)
         methods = list(self.candidates.values())
-        keep, sliced, scale = bound_candidates(labels, methods, x, name, comm,
-                                               probe_repeats=self.probe_repeats, hook=self._measured,
-                                               tiny_cache=self._tiny)
+        keep, sliced, scale, bounds = bound_candidates(labels, methods, x, name, comm,
+                                                       probe_repeats=self.probe_repeats,
+                                                       hook=self._measured, tiny_cache=self._tiny)
+        if reason == "drift" and sliced is not None and current is not None \
+                and current.chosen in labels:
+            cur = labels.index(current.chosen)
+            if min(bounds) >= bounds[cur] * (1.0 - self.switch_margin):
+                return self._rechecked_decision(name, reason, step, comm, int(x.size), current,
+                                                labels, sliced, scale)
         full = measure_candidates([methods[i] for i in keep], x, name, comm, dry_runs=self.dry_runs,
                                   probe_repeats=self.probe_repeats, hook=self._measured,
                                   tiny_cache=self._tiny,
@@ -352,6 +368,31 @@ class Auto(Method):
                       "dry_run": "bucket" if sc == 1.0 else f"slice 1/{sc:g}"}
                  for lb, m, sc in zip(labels, measured, scales)}
         return self._choice(name, reason, step, comm.size, int(x.size), table, current)
+
+    def _rechecked_decision(self, name: str, reason: str, step: int, comm: Any, numel: int,
+                            current: Decision, labels: list[str], sliced: list[Any],
+                            scale: float) -> Decision:
+        """A drift re-check the slices settled: no other candidate's bound beats the current
+        method's by the switch margin, so it stays without dry runs on the whole bucket, its
+        prediction the exchange time the last window measured (the old prediction times the
+        window's agreed ratio); the others keep their extrapolated rows."""
+        self._cost["rechecked"] += 1
+        now_ms = current.predicted_ms * self._monitors[name].last_ratio
+        table = {lb: {"predicted_ms": 1e3 * predict_exchange(lb, m, comm.size, scale),
+                      "measured_ms": 1e3 * scale * (m.compress_s + m.mpi_s()),
+                      "compress_ms": 1e3 * scale * m.compress_s, "error": m.error,
+                      "dry_run": f"slice 1/{scale:g}"} for lb, m in zip(labels, sliced)}
+        table[current.chosen].update(predicted_ms=now_ms, measured_ms=now_ms,
+                                     dry_run="the last window's steps")
+        ok = [self.error_budget is None or table[lb]["error"] <= self.error_budget for lb in labels]
+        for lb, eligible in zip(labels, ok):
+            table[lb]["eligible"] = eligible
+        others = sorted((table[lb]["predicted_ms"], i) for i, lb in enumerate(labels)
+                        if lb != current.chosen and ok[i])
+        runner = labels[others[0][1]] if others else None
+        return Decision(name, current.chosen, now_ms, now_ms, runner,
+                        table[runner]["predicted_ms"] if runner else None, f"{reason}, re-checked",
+                        step, comm.size, numel, table)
 
     def _shared_decision(self, source: Decision, name: str, reason: str, step: int,
                          current: Decision | None) -> Decision:
@@ -386,7 +427,8 @@ class Auto(Method):
         that decided, less their own exchange: bounds, dry runs, probes, agreement),
         ``first_s`` (the first decision that measured: it also pays the process's one-off
         costs, such as loading every candidate's compiled kernels), ``checking_s`` (the drift
-        windows' agreements), ``measured`` (decisions that measured),
+        windows' agreements), ``measured`` (decisions that measured), ``rechecked`` (drift
+        re-checks the slices settled: the method stayed, no dry run on the bucket),
         ``shared`` (decisions that reused a bucket of the same shape's measurement) and
         ``ruled_out`` (candidates the bound spared a dry run on the whole bucket). Timings of
         this process, not part of the checkpoint."""
@@ -428,4 +470,4 @@ class Auto(Method):
         self._pending = {b: np.array(v, copy=True) for b, v in saved.get("pending", {}).items()}
 
 
-__all__ = ["Auto", "CARRIED_FEEDBACK", "DEFAULT_CANDIDATES", "DEFAULT_MIN_NUMEL"]
+__all__ = ["Auto", "CARRIED_FEEDBACK", "DEFAULT_CANDIDATES", "DEFAULT_MIN_NUMEL", "DRIFT_BACKOFF"]

@@ -50,25 +50,26 @@ def slice_numel(numel: int) -> int:
 def bound_candidates(labels: Sequence[str], methods: Sequence[Any], x: Any, name: str, comm: Any, *,
                      probe_repeats: int, hook: MeasureHook,
                      tiny_cache: dict[str, float] | None = None
-                     ) -> tuple[list[int], list[Measurement] | None, float]:
+                     ) -> tuple[list[int], list[Measurement] | None, float, list[float]]:
     """(indices of the candidates to dry-run on the whole bucket, every candidate's agreed
-    measurement on the slice, the slice's ``scale``), by the rule of the module docstring.
+    measurement on the slice, the slice's ``scale``, every candidate's extrapolated seconds),
+    by the rule of the module docstring.
 
     Where the bucket is too small for a slice (:func:`slice_numel`) every candidate is kept
-    and there are no slice measurements (``None``, scale 1). The slice measurements carry
+    and there are no slice measurements (``None``, scale 1, no bounds). The slice measurements carry
     each candidate's relative error on the slice, against the dense candidate's average there.
     """
     flat = x.reshape(-1)
     s = slice_numel(int(flat.size))
     if s == 0 or len(methods) < 2:
-        return list(range(len(methods))), None, 1.0
+        return list(range(len(methods))), None, 1.0, []
     scale = flat.size / s
     sliced = measure_candidates(methods, flat[:s], f"{name}#bound", comm, dry_runs=BOUND_DRY_RUNS,
                                 probe_repeats=probe_repeats, hook=hook, prune_factor=None,
                                 tiny_cache=tiny_cache)
     bounds = [predict_exchange(lb, m, comm.size, scale) for lb, m in zip(labels, sliced)]
     best = min(bounds)
-    return [i for i, t in enumerate(bounds) if t <= BOUND_FACTOR * best], sliced, scale
+    return [i for i, t in enumerate(bounds) if t <= BOUND_FACTOR * best], sliced, scale, bounds
 
 
 __all__ = ["BOUND_DIVISOR", "BOUND_DRY_RUNS", "BOUND_FACTOR", "BOUND_MIN_SLICE", "bound_candidates",

@@ -149,6 +149,7 @@ class DriftMonitor:
     samples: list = field(default_factory=list)
     reference: float | None = None
     strikes: int = 0
+    last_ratio: float = 1.0       # the last window's agreed measured / predicted
 
     def observe(self, seconds: float) -> bool:
         """Add one step's measured seconds; ``True`` when a window is complete (time to agree)."""
@@ -162,6 +163,7 @@ class DriftMonitor:
     def close_window(self, agreed_ratio: float) -> bool:
         """Start a new window after the ranks agreed on ``agreed_ratio``; ``True``: decide again."""
         self.samples = []
+        self.last_ratio = agreed_ratio
         if self.reference is None:     # the model's bias, as far as the band allows
             self.reference = min(max(agreed_ratio, 1.0 / (1.0 + self.band)), 1.0 + self.band)
             return False
