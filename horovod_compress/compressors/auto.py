@@ -121,7 +121,7 @@ class Auto(Method):
     layout = "flat"
 
     def __init__(self, *, candidates: Sequence[Any] | None = None, error_budget: float | None = None,
-                 dry_runs: int = 2, probe_repeats: int = 3, window: int = 10, band: float = 0.5,
+                 dry_runs: int = 2, probe_repeats: int = 3, window: int = 10, band: float = 1.0,
                  patience: int = 2, switch_margin: float = 0.1, min_numel: int = DEFAULT_MIN_NUMEL,
                  seed: int = 0, measure_hook: MeasureHook | None = None) -> None:
         super().__init__(seed=seed)
