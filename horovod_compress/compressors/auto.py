@@ -153,8 +153,8 @@ class Auto(Method):
         self._by_shape: dict[str, int] = {}     # "numel/dtype/P" -> the latest measured decision's seq
         self._tiny: dict[str, float] = {}       # latency probes of this link, op -> seconds
         self._tiny_world = 0                    # the world size they were taken at
-        self._cost = {"deciding_s": 0.0, "first_s": 0.0, "checking_s": 0.0, "measured": 0,
-                      "rechecked": 0, "shared": 0, "ruled_out": 0}
+        self._cost = {"deciding_s": 0.0, "first_s": 0.0, "first_calls_s": 0.0, "again_s": 0.0,
+                      "checking_s": 0.0, "measured": 0, "rechecked": 0, "shared": 0, "ruled_out": 0}
         self._active: Method | None = None
         self.set_nonfinite(self.nonfinite)
 
@@ -270,6 +270,7 @@ class Auto(Method):
         finally:
             spent = time.perf_counter() - t0
             self._cost["deciding_s"] += spent
+            self._cost["first_calls_s" if reason == "first call" else "again_s"] += spent
             if self._cost["first_s"] == 0.0 and self._cost["measured"]:
                 self._cost["first_s"] = spent
 
@@ -426,7 +427,9 @@ class Auto(Method):
         """What deciding has cost this process so far: ``deciding_s`` (wall seconds of the calls
         that decided, less their own exchange: bounds, dry runs, probes, agreement),
         ``first_s`` (the first decision that measured: it also pays the process's one-off
-        costs, such as loading every candidate's compiled kernels), ``checking_s`` (the drift
+        costs, such as loading every candidate's compiled kernels), ``first_calls_s`` (every
+        bucket's first decision) and ``again_s`` (the decisions after a drift, a new world size
+        or a new bucket size; the two add up to ``deciding_s``), ``checking_s`` (the drift
         windows' agreements), ``measured`` (decisions that measured), ``rechecked`` (drift
         re-checks the slices settled: the method stayed, no dry run on the bucket),
         ``shared`` (decisions that reused a bucket of the same shape's measurement) and
