@@ -279,8 +279,9 @@ def case_drift_recheck_on_slices(comm):
     from horovod_compress.compressors.auto_bound import BOUND_DIVISOR, BOUND_MIN_SLICE
     n = BOUND_DIVISOR * BOUND_MIN_SLICE
     link = SyntheticLink(SLOW)
-    method = hvdc.Compression.auto(candidates=["none", "topk"], window=2, patience=1, band=0.5,
-                                   dry_runs=1, probe_repeats=1, measure_hook=link)
+    COMPRESS_S.setdefault("gaussiank", 5e-3)     # the slowest to compress on this link
+    method = hvdc.Compression.auto(candidates=["none", "topk", "gaussiank"], window=2, patience=1,
+                                   band=0.5, dry_runs=1, probe_repeats=1, measure_hook=link)
     for t in range(1, 5):            # Top-k; the window of calls 2-3 is the reference
         method.allreduce(_grad(comm.rank, t, n), "b", comm)
     before = method.decisions()["b"]["predicted_ms"]
@@ -294,7 +295,16 @@ def case_drift_recheck_on_slices(comm):
     assert d["candidates"]["topk"]["dry_run"] == "the last window's steps"
     cost = method.decision_cost()
     assert (cost["measured"], cost["rechecked"]) == (1, 1)
-    return {"ratio": d["predicted_ms"] / before}
+    # the link turns fast: the slices rank dense first, a challenger; only it and Top-k are
+    # dry-run on the bucket, Gaussian-k keeps its slice row
+    link.rate = FAST
+    for t in range(8, 14):
+        method.allreduce(_grad(comm.rank, t, n), "b", comm)
+    d = method.decision_log()[2]
+    assert d["reason"] == "drift" and d["chosen"] == "none" and d["switched"]
+    assert [d["candidates"][lb]["dry_run"] for lb in ("none", "topk", "gaussiank")] == \
+        ["bucket", "bucket", f"slice 1/{BOUND_DIVISOR}"]
+    return {"ratio": log[1]["predicted_ms"] / before}
 
 
 CORE_CASES = [case_all_ranks_choose_the_same, case_crafted_disagreement_yields_one_decision,

@@ -351,6 +351,8 @@ class Auto(Method):
             if min(bounds) >= bounds[cur] * (1.0 - self.switch_margin):
                 return self._rechecked_decision(name, reason, step, comm, int(x.size), current,
                                                 labels, sliced, scale)
+            # a challenger: only it and the running method are dry-run on the bucket
+            keep = sorted({cur, min(range(len(bounds)), key=lambda i: (bounds[i], i))})
         full = measure_candidates([methods[i] for i in keep], x, name, comm, dry_runs=self.dry_runs,
                                   probe_repeats=self.probe_repeats, hook=self._measured,
                                   tiny_cache=self._tiny,
