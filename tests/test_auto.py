@@ -307,11 +307,40 @@ def case_drift_recheck_on_slices(comm):
     return {"ratio": log[1]["predicted_ms"] / before}
 
 
+def case_many_switches_conserve_the_gradient(comm):
+    """A link that alternates between slow and fast every 7 steps makes the bucket switch
+    between dense and the sparsifiers many times; no gradient mass is lost or made up:
+    sum_t out_t + avg_r(what is still owed: the running method's residual or a pending debt)
+    = sum_t avg_r(g_t,r), to float32 rounding (EF14 with every hand-over)."""
+    COMPRESS_S.setdefault("gaussiank", 5e-3)
+    link = SyntheticLink(SLOW)
+    method = hvdc.Compression.auto(candidates=["none", "topk", "gaussiank"], window=2, patience=1,
+                                   band=0.3, switch_margin=0.0, dry_runs=1, probe_repeats=1,
+                                   measure_hook=link)
+    sent = np.zeros(N_SYN)
+    exact = np.zeros(N_SYN)
+    for t in range(60):
+        link.rate = SLOW if (t // 7) % 2 == 0 else FAST
+        g = _grad(comm.rank, t)
+        sent += method.allreduce(g, "b", comm)
+        exact += gather_float64(comm, g).mean(axis=0)
+    owed = np.zeros(N_SYN)
+    for inner in method.candidates.values():
+        st = inner.state.get("b")
+        if st is not None and st.get("fb_residual") is not None:
+            owed += np.asarray(st["fb_residual"], np.float64)
+    owed += method.state_dict()["auto"]["pending"].get("b", 0.0)
+    np.testing.assert_allclose(sent + gather_float64(comm, owed).mean(axis=0), exact, atol=2e-5)
+    switches = sum(d["switched"] for d in method.decision_log()) - 1
+    assert switches >= 4, method.decision_log()
+    return {"switches": switches}
+
+
 CORE_CASES = [case_all_ranks_choose_the_same, case_crafted_disagreement_yields_one_decision,
               case_drift_redecides_with_hysteresis, case_switch_flushes_the_residual,
               case_error_budget_excludes_a_faster_method,
               case_checkpoint_after_switch_resumes_bit_identical, case_bound_rules_out_and_shapes_share,
-              case_drift_recheck_on_slices]
+              case_drift_recheck_on_slices, case_many_switches_conserve_the_gradient]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
@@ -366,6 +395,11 @@ def test_drift_recheck_on_slices(mpi):
     # link's bytes at a tenth of the rate, its compression time unchanged), the same on every rank
     ratios = {v["ratio"] for v in mpi[case_drift_recheck_on_slices].values()}
     assert len(ratios) == 1 and ratios.pop() > 1.5
+
+
+def test_many_switches_conserve_the_gradient(mpi):
+    out = mpi[case_many_switches_conserve_the_gradient]
+    assert len({v["switches"] for v in out.values()}) == 1     # the same switches on every rank
 
 
 def test_torch_optimizer_with_auto():
