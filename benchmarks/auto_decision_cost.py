@@ -1,20 +1,19 @@
-"""What ``Compression.auto`` spends on deciding, against the exchanges it then runs, on real ranks.
+"""What ``Compression.auto`` spends on deciding, as a share of a 1,000-step training run, on real ranks.
 
 Run (P = 2 and 4; the machine's own links, shared memory)::
 
     flock /tmp/hvdc-bench.lock mpirun -np 2 --oversubscribe .venv/bin/python benchmarks/auto_decision_cost.py
     flock /tmp/hvdc-bench.lock mpirun -np 4 --oversubscribe .venv/bin/python benchmarks/auto_decision_cost.py
 
-For each bucket size: the wall time of a bucket's first ``auto`` call (its
-decision: ``dry_runs`` calls of every default candidate, the tiny probes, the
-agreement, then the exchange itself), the median of ``STEPS`` later calls (the
-chosen method's exchange plus ``auto``'s bookkeeping, drift agreement included),
-and the same median of the chosen method run by hand, the two alternating (the
-baseline of the same run). The first row is the process's first decision, which
-also loads every candidate's compiled kernels. ``decision / 1000 exchanges`` bounds the share of a 1,000-step run the
-decision costs when every step were nothing but its exchange (a real step also
-computes its forward and backward pass, so the share is smaller). Prints one
-markdown table on rank 0.
+One run: an MLP (``IN`` inputs, ``LAYERS`` hidden layers of ``WIDTH`` x ``WIDTH``, 10 classes)
+trained for ``STEPS`` steps of SGD with our torch ``DistributedOptimizer`` and
+``Compression.auto()`` (default candidates), buckets capped at ``BUCKET_BYTES`` so each hidden
+layer is a bucket of its own (same shape: the decision is shared between them). The run's
+wall time is the slowest rank's; ``auto.decision_cost()`` gives the seconds spent deciding
+(bounds, dry runs, probes, agreement), split into every bucket's first decision (the
+process's first one includes its one-off loading of every candidate's compiled kernels) and
+the decisions taken again after a drift, and the drift windows' agreements (each the largest
+over ranks). Prints one markdown section on rank 0.
 """
 from __future__ import annotations
 
@@ -23,69 +22,69 @@ import platform
 import time
 
 import numpy as np
+import torch
 
 import horovod_compress as hvdc
-from horovod_compress.compressors.registry import create
 from horovod_compress.mpi_collectives import Communicator
+from horovod_compress.torch import DistributedOptimizer
 
-SIZES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)     # float32 values per bucket
-STEPS = 30
-
-
-def _timed(comm, fn) -> float:
-    comm.barrier()
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+IN, WIDTH, LAYERS, BATCH = 256, 512, 3, 32
+STEPS = int(os.environ.get("AUTO_COST_STEPS", "1000"))    # fewer for a smoke test
+BUCKET_BYTES = 1100 << 10   # one hidden layer (1 MiB + its bias) per bucket
 
 
-def _slowest(comm, seconds: float) -> float:
-    return float(comm.allreduce(np.array([seconds]), "max")[0])
-
-
-def _decide_and_run(comm, n: int) -> tuple:
-    """One bucket of ``n`` values: its decision, then STEPS interleaved calls of auto and of the
-    chosen method by hand (same gradients, alternating, so both meet the same machine)."""
-    rng = np.random.default_rng(comm.rank)
-    grads = [rng.standard_normal(n).astype(np.float32) for _ in range(4)]
-    auto = hvdc.Compression.auto()
-    first = _slowest(comm, _timed(comm, lambda: auto.allreduce(grads[0], "bucket", comm)))
-    d = auto.decisions()["bucket"]
-    by_hand = create(d["chosen"]) if d["chosen"] != "oktopk" else create("oktopk", warmup_steps=0)
-    by_hand.allreduce(grads[0], "bucket", comm)
-    auto_s, hand_s = [], []
-    for step in range(STEPS):
-        g = grads[step % 4]
-        auto_s.append(_timed(comm, lambda: auto.allreduce(g, "bucket", comm)))
-        hand_s.append(_timed(comm, lambda: by_hand.allreduce(g, "bucket", comm)))
-    steady = _slowest(comm, float(np.median(auto_s)))
-    alone = _slowest(comm, float(np.median(hand_s)))
-    return d, first, steady, alone, len(auto.decision_log())
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = [torch.nn.Linear(IN, WIDTH), torch.nn.ReLU()]
+    for _ in range(LAYERS):
+        layers += [torch.nn.Linear(WIDTH, WIDTH), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(WIDTH, 10))
 
 
 def main() -> None:
+    torch.set_num_threads(1)
     comm = Communicator()
-    # the process's first decision also loads every candidate's compiled kernels (once per process)
-    warm = _decide_and_run(comm, SIZES[0])
-    rows = [(SIZES[0], "first in the process", *warm)]
-    for n in SIZES:
-        rows.append((n, "", *_decide_and_run(comm, n)))
-    if comm.rank == 0:
-        print(f"# Cost of `Compression.auto`'s decision, P = {comm.size}\n")
-        print(f"`mpirun -np {comm.size}` on one machine ({platform.machine()}, {hvdc.__name__} "
-              f"{hvdc.__version__}; shared-memory transport), load average {os.getloadavg()[0]:.1f} on "
-              f"{os.cpu_count()} cores when it started, {comm.size} ranks"
-              f"{' (oversubscribed)' if comm.size > 2 else ''}: timings carry that machine's noise. "
-              f"Default candidates, `dry_runs=2`; times are the slowest rank's, in ms; the steady "
-              f"columns are medians of {STEPS} calls, auto's and the chosen method's by hand "
-              f"alternating (the baseline of the same run).\n")
-        print("| values | note | chosen | runner-up | first call (decision) | steady auto call | "
-              "chosen method alone | auto / alone | decision / 1000 exchanges | decisions |")
-        print("|---:|---|---|---|---:|---:|---:|---:|---:|---:|")
-        for n, note, d, first, steady, alone, count in rows:
-            print(f"| {n:,} | {note} | {d['chosen']} | {d['runner_up']} | {1e3 * first:.1f} | "
-                  f"{1e3 * steady:.2f} | {1e3 * alone:.2f} | {steady / alone:.2f} | "
-                  f"{100 * first / (1000 * steady):.2f}% | {count} |")
+    model = _model()
+    auto = hvdc.Compression.auto()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                               named_parameters=model.named_parameters(), compression=auto,
+                               bucket_bytes=BUCKET_BYTES)
+    gen = torch.Generator().manual_seed(comm.rank)
+    xs = [torch.randn(BATCH, IN, generator=gen) for _ in range(8)]
+    ys = [torch.randint(0, 10, (BATCH,), generator=gen) for _ in range(8)]
+    comm.barrier()
+    t0 = time.perf_counter()
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(model(xs[step % 8]), ys[step % 8])
+        loss.backward()
+        opt.step()
+    total = time.perf_counter() - t0
+    cost = auto.decision_cost()
+    mine = np.array([total, cost["deciding_s"], cost["first_calls_s"], cost["again_s"],
+                     cost["checking_s"]], np.float64)
+    run_s, deciding, first, again, checking = comm.allreduce(mine, "max")
+    if comm.rank != 0:
+        return
+    decisions = auto.decisions()
+    chosen = ", ".join(f"{b}: {d['chosen']}" + (f" (as {d['shared_with']})" if d["shared_with"] else "")
+                       for b, d in sorted(decisions.items()))
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"## P = {comm.size}\n")
+    print(f"`mpirun -np {comm.size}` on one machine ({platform.machine()}, {os.cpu_count()} cores, "
+          f"shared memory), load average {os.getloadavg()[0]:.1f} when the run ended"
+          f"{'; 4 ranks on 2 cores: oversubscribed' if comm.size > (os.cpu_count() or 1) else ''}. "
+          f"MLP {IN}-{'-'.join([str(WIDTH)] * (LAYERS + 1))}-10 ({n_params:,} parameters), batch "
+          f"{BATCH} per rank, {STEPS} SGD steps, one thread per rank; buckets of at most "
+          f"{BUCKET_BYTES / 2 ** 20:.2f} MiB. Times are the slowest rank's.\n")
+    print("| 1,000-step run (s) | first decisions (s) | / run | decisions again (s) | drift checks (s) | "
+          "all deciding + checks / run | decisions measured | re-checked on slices | shared | "
+          "candidates ruled out by the bound |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"| {run_s:.2f} | {first:.3f} | {100 * first / run_s:.2f}% | {again:.3f} | {checking:.3f} | "
+          f"{100 * (deciding + checking) / run_s:.2f}% | {cost['measured']} | {cost['rechecked']} | "
+          f"{cost['shared']} | {cost['ruled_out']} |\n")
+    print(f"Decisions at the end: {chosen}; {len(auto.decision_log())} decisions in all.\n")
 
 
 if __name__ == "__main__":

@@ -248,10 +248,99 @@ def case_torch_optimizer_with_auto(comm):
     return {"buckets": len(method.decisions())}
 
 
+def case_bound_rules_out_and_shapes_share(comm):
+    """On a slow synthetic link a 256 Ki-value bucket's slice (1/16) prices dense far above
+    Top-k, so dense is not dry-run on the bucket (its row is the slice's extrapolation); a
+    second bucket of the same values reuses the measurement, one of another size measures."""
+    from horovod_compress.compressors.auto_bound import BOUND_DIVISOR, BOUND_MIN_SLICE
+    n = BOUND_DIVISOR * BOUND_MIN_SLICE
+    method = hvdc.Compression.auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
+                                   measure_hook=SyntheticLink(SLOW))
+    for bucket in ("a", "b"):
+        method.allreduce(_grad(comm.rank, 1, n), bucket, comm)
+    method.allreduce(_grad(comm.rank, 1, N_SYN), "c", comm)
+    d = method.decisions()
+    assert [d[b]["chosen"] for b in "abc"] == ["topk"] * 3
+    assert d["a"]["candidates"]["none"]["dry_run"] == f"slice 1/{BOUND_DIVISOR}"
+    assert d["a"]["candidates"]["topk"]["dry_run"] == "bucket"
+    assert d["b"]["shared_with"] == "a" and d["b"]["candidates"] == d["a"]["candidates"]
+    assert d["c"]["shared_with"] is None and d["c"]["candidates"]["none"]["dry_run"] == "bucket"
+    cost = method.decision_cost()
+    assert (cost["measured"], cost["shared"], cost["ruled_out"]) == (2, 1, 1)
+    # the slice extrapolation of dense: 16x the slice's compression and bytes, alpha kept
+    row = d["a"]["candidates"]["none"]
+    assert row["predicted_ms"] > 10 * d["a"]["candidates"]["topk"]["predicted_ms"]
+    return {"none_ms": row["predicted_ms"], "topk_error": d["a"]["candidates"]["topk"]["error"]}
+
+
+def case_drift_recheck_on_slices(comm):
+    """A drift whose slices still rank the running method first keeps it without a dry run on
+    the bucket: its new prediction is the exchange time the last window measured."""
+    from horovod_compress.compressors.auto_bound import BOUND_DIVISOR, BOUND_MIN_SLICE
+    n = BOUND_DIVISOR * BOUND_MIN_SLICE
+    link = SyntheticLink(SLOW)
+    COMPRESS_S.setdefault("gaussiank", 5e-3)     # the slowest to compress on this link
+    method = hvdc.Compression.auto(candidates=["none", "topk", "gaussiank"], window=2, patience=1,
+                                   band=0.5, dry_runs=1, probe_repeats=1, measure_hook=link)
+    for t in range(1, 5):            # Top-k; the window of calls 2-3 is the reference
+        method.allreduce(_grad(comm.rank, t, n), "b", comm)
+    before = method.decisions()["b"]["predicted_ms"]
+    link.rate = SLOW / 10            # every byte 10x slower: Top-k still far ahead of dense
+    for t in range(5, 8):            # the window of calls 4-5 is out of band; call 6 re-checks
+        method.allreduce(_grad(comm.rank, t, n), "b", comm)
+    log = method.decision_log()
+    d = log[1]
+    assert d["reason"] == "drift, re-checked" and d["chosen"] == "topk" and not d["switched"]
+    assert d["candidates"]["none"]["dry_run"].startswith("slice")
+    assert d["candidates"]["topk"]["dry_run"] == "the last window's steps"
+    cost = method.decision_cost()
+    assert (cost["measured"], cost["rechecked"]) == (1, 1)
+    # the link turns fast: the slices rank dense first, a challenger; only it and Top-k are
+    # dry-run on the bucket, Gaussian-k keeps its slice row
+    link.rate = FAST
+    for t in range(8, 14):
+        method.allreduce(_grad(comm.rank, t, n), "b", comm)
+    d = method.decision_log()[2]
+    assert d["reason"] == "drift" and d["chosen"] == "none" and d["switched"]
+    assert [d["candidates"][lb]["dry_run"] for lb in ("none", "topk", "gaussiank")] == \
+        ["bucket", "bucket", f"slice 1/{BOUND_DIVISOR}"]
+    return {"ratio": log[1]["predicted_ms"] / before}
+
+
+def case_many_switches_conserve_the_gradient(comm):
+    """A link that alternates between slow and fast every 7 steps makes the bucket switch
+    between dense and the sparsifiers many times; no gradient mass is lost or made up:
+    sum_t out_t + avg_r(what is still owed: the running method's residual or a pending debt)
+    = sum_t avg_r(g_t,r), to float32 rounding (EF14 with every hand-over)."""
+    COMPRESS_S.setdefault("gaussiank", 5e-3)
+    link = SyntheticLink(SLOW)
+    method = hvdc.Compression.auto(candidates=["none", "topk", "gaussiank"], window=2, patience=1,
+                                   band=0.3, switch_margin=0.0, dry_runs=1, probe_repeats=1,
+                                   measure_hook=link)
+    sent = np.zeros(N_SYN)
+    exact = np.zeros(N_SYN)
+    for t in range(60):
+        link.rate = SLOW if (t // 7) % 2 == 0 else FAST
+        g = _grad(comm.rank, t)
+        sent += method.allreduce(g, "b", comm)
+        exact += gather_float64(comm, g).mean(axis=0)
+    owed = np.zeros(N_SYN)
+    for inner in method.candidates.values():
+        st = inner.state.get("b")
+        if st is not None and st.get("fb_residual") is not None:
+            owed += np.asarray(st["fb_residual"], np.float64)
+    owed += method.state_dict()["auto"]["pending"].get("b", 0.0)
+    np.testing.assert_allclose(sent + gather_float64(comm, owed).mean(axis=0), exact, atol=2e-5)
+    switches = sum(d["switched"] for d in method.decision_log()) - 1
+    assert switches >= 4, method.decision_log()
+    return {"switches": switches}
+
+
 CORE_CASES = [case_all_ranks_choose_the_same, case_crafted_disagreement_yields_one_decision,
               case_drift_redecides_with_hysteresis, case_switch_flushes_the_residual,
               case_error_budget_excludes_a_faster_method,
-              case_checkpoint_after_switch_resumes_bit_identical]
+              case_checkpoint_after_switch_resumes_bit_identical, case_bound_rules_out_and_shapes_share,
+              case_drift_recheck_on_slices, case_many_switches_conserve_the_gradient]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
@@ -294,6 +383,25 @@ def test_checkpoint_after_switch_resumes_bit_identical(mpi):
     assert all(v == {"decisions": 3} for v in mpi[case_checkpoint_after_switch_resumes_bit_identical].values())
 
 
+def test_bound_rules_out_and_shapes_share(mpi):
+    out = mpi[case_bound_rules_out_and_shapes_share]
+    assert len({v["none_ms"] for v in out.values()}) == 1      # agreed: the same on every rank
+    # Top-k's error came from the slice (no dense reference on the bucket): about 0.9 at 1%
+    assert all(0.5 < v["topk_error"] < 1.1 for v in out.values())
+
+
+def test_drift_recheck_on_slices(mpi):
+    # the window after the change measured Top-k's exchange several times slower (the synthetic
+    # link's bytes at a tenth of the rate, its compression time unchanged), the same on every rank
+    ratios = {v["ratio"] for v in mpi[case_drift_recheck_on_slices].values()}
+    assert len(ratios) == 1 and ratios.pop() > 1.5
+
+
+def test_many_switches_conserve_the_gradient(mpi):
+    out = mpi[case_many_switches_conserve_the_gradient]
+    assert len({v["switches"] for v in out.values()}) == 1     # the same switches on every rank
+
+
 def test_torch_optimizer_with_auto():
     """Two ranks suffice for the front-end path (the cases above cover P = 4)."""
     out = run_cases(2, __file__, [case_torch_optimizer_with_auto], timeout=600)[case_torch_optimizer_with_auto]
@@ -310,6 +418,14 @@ def test_prediction_reproduces_the_probed_calls():
     m = _m(0.002, allreduce=(2, 4e6, 4e6, 0.05, 1e-4), allgatherv=(1, 1e5, 1e5, 0.004, 5e-5))
     assert predict_exchange("x", m, 4) == pytest.approx(0.002 + 0.05 + 0.004, rel=1e-9)
     assert predict_exchange("x", _m(0.001), 2) == 0.001
+
+
+def test_prediction_extrapolates_a_slice_linearly_in_bytes():
+    """A slice 4x smaller: compression and the bandwidth term grow 4x, the latency term does not."""
+    m = _m(0.001, allreduce=(1, 1e6, 1e6, 0.0101, 1e-4))
+    whole = predict_exchange("x", m, 2, scale=4.0)
+    assert whole == pytest.approx(4 * 0.001 + 1e-4 + 4 * 0.01, rel=1e-6)
+    assert predict_exchange("x", _m(0.001), 2, scale=4.0) == pytest.approx(0.004)
 
 
 def test_choose_budget_tie_and_margin():

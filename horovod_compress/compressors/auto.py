@@ -36,6 +36,7 @@ flushed and every candidate's state are in :meth:`state_dict`.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Sequence
 
 import numpy as np
@@ -44,8 +45,9 @@ from ..kernels.arrays import is_cupy, is_gpu_array, to_device_like, to_host
 from ..params import check_float, check_int
 from ..mpi_collectives import world as _world
 from ..mpi_collectives.consistency import TensorMismatchError
+from .auto_bound import bound_candidates
 from .auto_decide import Decision, DriftMonitor, choose, predict_exchange
-from .auto_measure import CallClock, MeasureHook, measure_candidates
+from .auto_measure import NO_ERROR, CallClock, MeasureHook, StepClock, measure_candidates
 from .base import Method, TensorState
 from .registry import MethodFactory, create, register
 
@@ -61,6 +63,10 @@ CARRIED_FEEDBACK = ("none", "residual")
 #: Buckets below this many values are latency-bound: every candidate costs at least dense's
 #: rounds there, so they run dense without measuring.
 DEFAULT_MIN_NUMEL = 4096
+
+#: A drift re-decision that keeps the bucket's method doubles the windows out of band the next
+#: one needs, up to this factor times ``patience`` (a switch, or any other decision, resets it).
+DRIFT_BACKOFF = 2
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +121,7 @@ class Auto(Method):
     layout = "flat"
 
     def __init__(self, *, candidates: Sequence[Any] | None = None, error_budget: float | None = None,
-                 dry_runs: int = 2, probe_repeats: int = 3, window: int = 10, band: float = 0.5,
+                 dry_runs: int = 2, probe_repeats: int = 3, window: int = 10, band: float = 1.0,
                  patience: int = 2, switch_margin: float = 0.1, min_numel: int = DEFAULT_MIN_NUMEL,
                  seed: int = 0, measure_hook: MeasureHook | None = None) -> None:
         super().__init__(seed=seed)
@@ -144,6 +150,11 @@ class Auto(Method):
         self._pending: dict[str, np.ndarray] = {}
         self._history: list[Decision] = []
         self._calls: dict[str, int] = {}
+        self._by_shape: dict[str, int] = {}     # "numel/dtype/P" -> the latest measured decision's seq
+        self._tiny: dict[str, float] = {}       # latency probes of this link, op -> seconds
+        self._tiny_world = 0                    # the world size they were taken at
+        self._cost = {"deciding_s": 0.0, "first_s": 0.0, "first_calls_s": 0.0, "again_s": 0.0,
+                      "checking_s": 0.0, "measured": 0, "rechecked": 0, "shared": 0, "ruled_out": 0}
         self._active: Method | None = None
         self.set_nonfinite(self.nonfinite)
 
@@ -225,12 +236,18 @@ class Auto(Method):
         debt = self._pending.pop(name, None)
         if debt is not None:           # the previous method's residual, flushed into this step
             x = grad.astype(debt.dtype) + debt.reshape(grad.shape)
-        clock = CallClock(comm)
-        out = inner.allreduce(x, name, comm)
-        compress_s, ops = clock.stop(self._measured)
-        if not inner.last_step_skipped:
-            compress_s = self._measured(f"compress:{inner.name}", compress_s, 0.0)
-            self._watch(name, inner, compress_s + sum(o.seconds for o in ops.values()), comm)
+        if self.measure_hook is None:        # the cheap clock: one read of the timings each side
+            step_clock = StepClock(comm)
+            out = inner.allreduce(x, name, comm)
+            if not inner.last_step_skipped:
+                self._watch(name, inner, step_clock.stop(), comm)
+        else:
+            clock = CallClock(comm)
+            out = inner.allreduce(x, name, comm)
+            compress_s, ops = clock.stop(self._measured)
+            if not inner.last_step_skipped:
+                compress_s = self._measured(f"compress:{inner.name}", compress_s, 0.0)
+                self._watch(name, inner, compress_s + sum(o.seconds for o in ops.values()), comm)
         return out.astype(grad.dtype, copy=False) if out.dtype != grad.dtype else out
 
     def _watch(self, name: str, inner: Method, seconds: float, comm: Any) -> None:
@@ -240,14 +257,30 @@ class Auto(Method):
             return
         monitor = self._monitors[name]
         if monitor.observe(seconds):
+            t0 = time.perf_counter()
             ratio = np.array([monitor.ratio()], np.float64)
             agreed = float(comm.allreduce(ratio, "max")[0]) if comm.size > 1 else float(ratio[0])
             if monitor.close_window(agreed):
                 self._redecide.add(name)
+            self._cost["checking_s"] += time.perf_counter() - t0
 
     # ------------------------------------------------------------- decisions
     def _decide(self, grad: Any, name: str, comm: Any, reason: str) -> None:
-        """Measure every candidate on this bucket, choose, log, and switch if the choice changed.
+        """Decide for bucket ``name`` (:meth:`_decide_now`), its wall time counted in
+        :meth:`decision_cost`."""
+        t0 = time.perf_counter()
+        try:
+            self._decide_now(grad, name, comm, reason)
+        finally:
+            spent = time.perf_counter() - t0
+            self._cost["deciding_s"] += spent
+            self._cost["first_calls_s" if reason == "first call" else "again_s"] += spent
+            if self._cost["first_s"] == 0.0 and self._cost["measured"]:
+                self._cost["first_s"] = spent
+
+    def _decide_now(self, grad: Any, name: str, comm: Any, reason: str) -> None:
+        """Measure the candidates on this bucket (or reuse a bucket of the same shape's fresh
+        measurement), choose, log, and switch if the choice changed.
 
         First the ranks check that they hold the same bucket and the same ``auto``, by the
         agreement every call of every method starts with (a 1-byte allgather, then a digest
@@ -261,37 +294,122 @@ class Auto(Method):
             raise
         self._redecide.discard(name)
         current = self._decisions.get(name)
-        labels = list(self.candidates)
         step = self._calls[name]
         x = grad.astype(np.float64 if grad.dtype == np.float64 else np.float32, copy=False)
         if x.size < self.min_numel:
+            labels = list(self.candidates)
             chosen = "none" if "none" in self.candidates else labels[0]
             decision = Decision(name, chosen, 0.0, 0.0, None, None, f"{reason}, below min_numel",
                                 step, comm.size, int(x.size))
         else:
-            measured = measure_candidates(list(self.candidates.values()), x, name, comm,
-                                          dry_runs=self.dry_runs, probe_repeats=self.probe_repeats,
-                                          hook=self._measured)
-            predicted = [predict_exchange(lb, m, comm.size) for lb, m in zip(labels, measured)]
-            errors = [m.error for m in measured]
-            chosen, runner, eligible = choose(labels, predicted, errors, self.error_budget,
-                                              current.chosen if current else None, self.switch_margin)
-            i = labels.index(chosen)
-            table = {lb: {"predicted_ms": 1e3 * p, "measured_ms": 1e3 * (m.compress_s + m.mpi_s()),
-                          "compress_ms": 1e3 * m.compress_s, "error": m.error, "eligible": ok}
-                     for lb, p, m, ok in zip(labels, predicted, measured, eligible)}
-            decision = Decision(name, chosen, 1e3 * predicted[i], table[chosen]["measured_ms"],
-                                runner, table[runner]["predicted_ms"] if runner else None,
-                                reason, step, comm.size, int(x.size), table)
+            shape = f"{x.size}/{x.dtype.str}/{comm.size}"
+            seq = self._by_shape.get(shape, -1)
+            if seq > (current.seq if current is not None else -1):   # measured since: reuse it
+                decision = self._shared_decision(self._history[seq], name, reason, step, current)
+            else:
+                decision = self._measured_decision(x, name, comm, reason, step, current)
+                self._by_shape[shape] = len(self._history)
+        decision.seq = len(self._history)
         decision.switched = current is None or current.chosen != decision.chosen
         if current is not None and decision.switched:
             self._hand_over(name, self.candidates[current.chosen])
         self._decisions[name] = decision
         self._history.append(decision)
+        patience = self.patience
+        previous = self._monitors.get(name)
+        if reason == "drift" and not decision.switched and previous is not None:
+            # a re-decision that kept the method: the drift was noise (a loaded machine's phases),
+            # so the next one needs twice the windows, up to DRIFT_BACKOFF x the setting
+            patience = min(2 * previous.patience, DRIFT_BACKOFF * self.patience)
         self._monitors[name] = DriftMonitor(max(decision.predicted_ms, 0.0) / 1e3, self.window,
-                                            self.band, self.patience)
+                                            self.band, patience)
         if comm.rank == 0:
             log.info(decision.line())
+
+    def _choice(self, name: str, reason: str, step: int, world_size: int, numel: int,
+                table: dict[str, dict[str, Any]], current: Decision | None) -> Decision:
+        """The decision the rule of :func:`choose` takes on a table of predictions and errors."""
+        labels = list(table)
+        chosen, runner, eligible = choose(labels, [table[lb]["predicted_ms"] for lb in labels],
+                                          [table[lb]["error"] for lb in labels], self.error_budget,
+                                          current.chosen if current else None, self.switch_margin)
+        for lb, ok in zip(labels, eligible):
+            table[lb]["eligible"] = ok
+        return Decision(name, chosen, table[chosen]["predicted_ms"], table[chosen]["measured_ms"],
+                        runner, table[runner]["predicted_ms"] if runner else None, reason, step,
+                        world_size, numel, table)
+
+    def _measured_decision(self, x: Any, name: str, comm: Any, reason: str, step: int,
+                           current: Decision | None) -> Decision:
+        """Bound the candidates on a slice, dry-run the rest on the bucket, price, choose."""
+        if reason == "drift" or self._tiny_world != comm.size:
+            self._tiny, self._tiny_world = {}, comm.size      # the link changed: probe it again
+        labels = list(self.candidates)
+        methods = list(self.candidates.values())
+        keep, sliced, scale, bounds = bound_candidates(labels, methods, x, name, comm,
+                                                       probe_repeats=self.probe_repeats,
+                                                       hook=self._measured, tiny_cache=self._tiny)
+        if reason == "drift" and sliced is not None and current is not None \
+                and current.chosen in labels:
+            cur = labels.index(current.chosen)
+            if min(bounds) >= bounds[cur] * (1.0 - self.switch_margin):
+                return self._rechecked_decision(name, reason, step, comm, int(x.size), current,
+                                                labels, sliced, scale)
+            # a challenger: only it and the running method are dry-run on the bucket
+            keep = sorted({cur, min(range(len(bounds)), key=lambda i: (bounds[i], i))})
+        full = measure_candidates([methods[i] for i in keep], x, name, comm, dry_runs=self.dry_runs,
+                                  probe_repeats=self.probe_repeats, hook=self._measured,
+                                  tiny_cache=self._tiny,
+                                  errors=sliced is None or self.error_budget is not None)
+        measured = list(sliced) if sliced is not None else [None] * len(labels)
+        scales = [scale] * len(labels)
+        for i, m in zip(keep, full):
+            if m.error == NO_ERROR:             # no reference on the bucket: the slice's error
+                m.error = sliced[i].error
+            measured[i], scales[i] = m, 1.0
+        self._cost["measured"] += 1
+        self._cost["ruled_out"] += len(labels) - len(keep)
+        table = {lb: {"predicted_ms": 1e3 * predict_exchange(lb, m, comm.size, sc),
+                      "measured_ms": 1e3 * sc * (m.compress_s + m.mpi_s()),
+                      "compress_ms": 1e3 * sc * m.compress_s, "error": m.error,
+                      "dry_run": "bucket" if sc == 1.0 else f"slice 1/{sc:g}"}
+                 for lb, m, sc in zip(labels, measured, scales)}
+        return self._choice(name, reason, step, comm.size, int(x.size), table, current)
+
+    def _rechecked_decision(self, name: str, reason: str, step: int, comm: Any, numel: int,
+                            current: Decision, labels: list[str], sliced: list[Any],
+                            scale: float) -> Decision:
+        """A drift re-check the slices settled: no other candidate's bound beats the current
+        method's by the switch margin, so it stays without dry runs on the whole bucket, its
+        prediction the exchange time the last window measured (the old prediction times the
+        window's agreed ratio); the others keep their extrapolated rows."""
+        self._cost["rechecked"] += 1
+        now_ms = current.predicted_ms * self._monitors[name].last_ratio
+        table = {lb: {"predicted_ms": 1e3 * predict_exchange(lb, m, comm.size, scale),
+                      "measured_ms": 1e3 * scale * (m.compress_s + m.mpi_s()),
+                      "compress_ms": 1e3 * scale * m.compress_s, "error": m.error,
+                      "dry_run": f"slice 1/{scale:g}"} for lb, m in zip(labels, sliced)}
+        table[current.chosen].update(predicted_ms=now_ms, measured_ms=now_ms,
+                                     dry_run="the last window's steps")
+        ok = [self.error_budget is None or table[lb]["error"] <= self.error_budget for lb in labels]
+        for lb, eligible in zip(labels, ok):
+            table[lb]["eligible"] = eligible
+        others = sorted((table[lb]["predicted_ms"], i) for i, lb in enumerate(labels)
+                        if lb != current.chosen and ok[i])
+        runner = labels[others[0][1]] if others else None
+        return Decision(name, current.chosen, now_ms, now_ms, runner,
+                        table[runner]["predicted_ms"] if runner else None, f"{reason}, re-checked",
+                        step, comm.size, numel, table)
+
+    def _shared_decision(self, source: Decision, name: str, reason: str, step: int,
+                         current: Decision | None) -> Decision:
+        """The decision on ``source``'s measurement (a bucket of the same values, dtype and P,
+        measured after this bucket's last decision), with this bucket's own hysteresis."""
+        self._cost["shared"] += 1
+        table = {lb: dict(row) for lb, row in source.candidates.items()}
+        decision = self._choice(name, reason, step, source.world_size, source.numel, table, current)
+        decision.shared_with = source.bucket
+        return decision
 
     def _hand_over(self, name: str, previous: Method) -> None:
         """Take ``name``'s state out of the method that ran it; keep its EF14 residual as a debt
@@ -311,6 +429,20 @@ class Auto(Method):
         """Every decision taken so far, in order (a bucket appears once per decision)."""
         return [d.as_dict() for d in self._history]
 
+    def decision_cost(self) -> dict[str, float]:
+        """What deciding has cost this process so far: ``deciding_s`` (wall seconds of the calls
+        that decided, less their own exchange: bounds, dry runs, probes, agreement),
+        ``first_s`` (the first decision that measured: it also pays the process's one-off
+        costs, such as loading every candidate's compiled kernels), ``first_calls_s`` (every
+        bucket's first decision) and ``again_s`` (the decisions after a drift, a new world size
+        or a new bucket size; the two add up to ``deciding_s``), ``checking_s`` (the drift
+        windows' agreements), ``measured`` (decisions that measured), ``rechecked`` (drift
+        re-checks the slices settled: the method stayed, no dry run on the bucket),
+        ``shared`` (decisions that reused a bucket of the same shape's measurement) and
+        ``ruled_out`` (candidates the bound spared a dry run on the whole bucket). Timings of
+        this process, not part of the checkpoint."""
+        return dict(self._cost)
+
     # ---------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Base state plus the decisions, drift windows, debts and every candidate's state."""
@@ -319,6 +451,7 @@ class Auto(Method):
             "decisions": self.decisions(), "history": self.decision_log(),
             "monitors": {b: m.as_dict() for b, m in self._monitors.items()},
             "redecide": sorted(self._redecide), "calls": dict(self._calls),
+            "by_shape": dict(self._by_shape), "tiny": dict(self._tiny), "tiny_world": self._tiny_world,
             "pending": {b: np.array(np.asarray(getattr(v, "get", lambda: v)()), copy=True)
                         for b, v in self._pending.items()},
             "inner": {lb: m.state_dict() for lb, m in self.candidates.items()},
@@ -340,7 +473,10 @@ class Auto(Method):
         self._monitors = {b: DriftMonitor(**m) for b, m in saved.get("monitors", {}).items()}
         self._redecide = set(saved.get("redecide", []))
         self._calls = dict(saved.get("calls", {}))
+        self._by_shape = dict(saved.get("by_shape", {}))
+        self._tiny = dict(saved.get("tiny", {}))
+        self._tiny_world = int(saved.get("tiny_world", 0))
         self._pending = {b: np.array(v, copy=True) for b, v in saved.get("pending", {}).items()}
 
 
-__all__ = ["Auto", "CARRIED_FEEDBACK", "DEFAULT_CANDIDATES", "DEFAULT_MIN_NUMEL"]
+__all__ = ["Auto", "CARRIED_FEEDBACK", "DEFAULT_CANDIDATES", "DEFAULT_MIN_NUMEL", "DRIFT_BACKOFF"]

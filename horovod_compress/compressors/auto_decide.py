@@ -43,19 +43,26 @@ from .auto_measure import TINY_BYTES, Measurement
 NOMINAL_BITS_PER_S = 1e9
 
 
-def predict_exchange(label: str, m: Measurement, world_size: int) -> float:
-    """Predicted seconds of one exchange of the bucket by the candidate measured as ``m``."""
+def predict_exchange(label: str, m: Measurement, world_size: int, scale: float = 1.0) -> float:
+    """Predicted seconds of one exchange of the bucket by the candidate measured as ``m``.
+
+    ``scale``: ``m`` was measured on a slice of the bucket ``scale`` times smaller (the bound of
+    :func:`bound_candidates`): the compression time and every op's bytes grow by ``scale``, each
+    op keeps the latency its tiny probe gave and the rate its dry run reached at the slice's
+    message size, so the bandwidth term grows linearly (the alpha-beta model's extrapolation).
+    """
     probes = {}
     for op, o in m.ops.items():
         per_call_s = o.seconds / o.calls
         per_call_bytes = max(o.moved / o.calls, float(TINY_BYTES))
         probes[op] = (min(o.tiny_s, per_call_s), per_call_s, per_call_bytes, world_size)
     profile = StepProfile(method=label, world_size=world_size, compute_s=0.0,
-                          compress_s=m.compress_s,
-                          ops={op: OpCount(o.calls, max(o.sent, TINY_BYTES), max(o.received, TINY_BYTES))
+                          compress_s=scale * m.compress_s,
+                          ops={op: OpCount(o.calls, max(scale * o.sent, TINY_BYTES),
+                                           max(scale * o.received, TINY_BYTES))
                                for op, o in m.ops.items()})
     if not probes:
-        return m.compress_s
+        return scale * m.compress_s
     p = predict(profile, fit_link(NOMINAL_BITS_PER_S, probes))
     return p.compress_s + p.comm_s
 
@@ -76,6 +83,8 @@ class Decision:
     numel: int
     candidates: dict[str, dict[str, Any]] = field(default_factory=dict)   # label -> ms, error, eligible
     switched: bool = True
+    seq: int = -1                 # its place in the method's decision log
+    shared_with: str | None = None   # the bucket of the same shape whose measurement it reuses
 
     def as_dict(self) -> dict[str, Any]:
         """The decision as plain values (what ``decisions()`` and checkpoints hold)."""
@@ -91,8 +100,9 @@ class Decision:
         runner = (f"runner-up {self.runner_up} {self.runner_up_ms:.2f} ms" if self.runner_up
                   else "no runner-up")
         kept = "" if self.switched else " (kept: the best was not faster by the switch margin)"
+        shared = f", as bucket {self.shared_with!r}" if self.shared_with else ""
         return (f"auto: bucket {self.bucket!r} ({self.numel} values, P={self.world_size}, "
-                f"{self.reason}, call {self.step}): {self.chosen} predicted {self.predicted_ms:.2f} ms, "
+                f"{self.reason}{shared}, call {self.step}): {self.chosen} predicted {self.predicted_ms:.2f} ms, "
                 f"measured {self.measured_ms:.2f} ms; {runner}{kept}")
 
 
@@ -139,6 +149,7 @@ class DriftMonitor:
     samples: list = field(default_factory=list)
     reference: float | None = None
     strikes: int = 0
+    last_ratio: float = 1.0       # the last window's agreed measured / predicted
 
     def observe(self, seconds: float) -> bool:
         """Add one step's measured seconds; ``True`` when a window is complete (time to agree)."""
@@ -152,6 +163,7 @@ class DriftMonitor:
     def close_window(self, agreed_ratio: float) -> bool:
         """Start a new window after the ranks agreed on ``agreed_ratio``; ``True``: decide again."""
         self.samples = []
+        self.last_ratio = agreed_ratio
         if self.reference is None:     # the model's bias, as far as the band allows
             self.reference = min(max(agreed_ratio, 1.0 / (1.0 + self.band)), 1.0 + self.band)
             return False

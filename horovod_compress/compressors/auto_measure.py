@@ -45,6 +45,8 @@ TINY_BYTES = 8
 #: fastest run again (the others cannot win: their first call's one-off costs are small next
 #: to such a gap).
 PRUNE_FACTOR = 3.0
+#: The error of a measurement taken without a reference (``errors=False``).
+NO_ERROR = -1.0
 #: Timing op of the per-call agreement (a wait for peers, not the method's exchange).
 AGREE_OP = "agree"
 
@@ -141,6 +143,28 @@ class CallClock:
         return max(wall - mpi - other, 0.0), ops
 
 
+class StepClock:
+    """A real step's exchange seconds, cheaply: its wall time less the seconds it spent in ops
+    that are not the exchange's own (the per-call agreement's wait for peers, barriers).
+
+    The same number :class:`CallClock` gives as compression plus every op's seconds, from one
+    read of the Communicator's timings before and after (no byte counts): what every call of
+    ``auto`` pays to watch for drift.
+    """
+
+    def __init__(self, comm: Any) -> None:
+        self.comm = comm
+        self._seconds = comm.timings()["by_op"]
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        """Seconds of the exchange since construction."""
+        wall = time.perf_counter() - self._t0
+        after = self.comm.timings()["by_op"]
+        other = sum(t - self._seconds.get(op, 0.0) for op, t in after.items() if op not in OPS)
+        return max(wall - other, 0.0)
+
+
 def dry_run(method: Any, x: Any, name: str, comm: Any,
             hook: MeasureHook = _identity) -> tuple[Measurement, Any]:
     """One timed call of ``method`` (a throw-away copy) on a copy of ``x``; (measurement, its average)."""
@@ -223,17 +247,22 @@ def agree(comm: Any, measurements: Sequence[Measurement]) -> list[Measurement]:
 
 def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
                        dry_runs: int, probe_repeats: int, reference: Any = None,
-                       hook: MeasureHook = _identity) -> list[Measurement]:
+                       hook: MeasureHook = _identity, prune_factor: float | None = PRUNE_FACTOR,
+                       tiny_cache: dict[str, float] | None = None,
+                       errors: bool = True) -> list[Measurement]:
     """Dry runs of every method on ``x``, the tiny probes of the ops they used, agreed over ranks.
 
     The methods run in turn, ``dry_runs`` rounds of one call each (one throw-away copy per
     method), so a slow phase of a shared machine falls on several candidates rather than on
-    all of one's calls; after the first round only those within :data:`PRUNE_FACTOR` of the
-    fastest run again. Each method's measurement is its fastest call (a call's first one
-    pays one-off costs: allocation, a threshold search, loading compiled kernels; a call
-    that met interference is slower, never faster). ``reference``: the exact average, where
-    the caller has it; otherwise the first method whose name is ``none`` gives it, or one
-    dense allreduce.
+    all of one's calls; after the first round only those within ``prune_factor`` of the
+    fastest run again (all of them with ``None``). Each method's measurement is its fastest
+    call (a call's first one pays one-off costs: allocation, a threshold search, loading
+    compiled kernels; a call that met interference is slower, never faster). ``reference``:
+    the exact average, where the caller has it; otherwise the first method whose name is
+    ``none`` gives it, or one dense allreduce. ``tiny_cache``: latency probes already taken
+    on this communicator (op -> seconds, this rank's); only the ops missing from it are
+    probed, and their probes are added to it. ``errors=False``: where no method is ``none``,
+    the errors are not measured (no dense allreduce for a reference) and read :data:`NO_ERROR`.
     """
     clones = [throwaway_copy(m) for m in methods]
     measured: list[Measurement | None] = [None] * len(methods)
@@ -245,7 +274,7 @@ def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
             best = measured[i]
             if best is None or m.compress_s + m.mpi_s() < best.compress_s + best.mpi_s():
                 measured[i] = m
-        if round_ == 0 and dry_runs > 1:
+        if round_ == 0 and dry_runs > 1 and prune_factor is not None:
             # a candidate PRUNE_FACTOR times slower than the fastest in the first round keeps that
             # measurement (an overestimate only by its one-off costs); the others run again.
             # The times are agreed first (the maximum over ranks), so every rank keeps the same.
@@ -253,22 +282,23 @@ def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
                                              for i in running], np.float64), "max") \
                 if comm.size > 1 else [measured[i].compress_s + measured[i].mpi_s() for i in running]
             fastest = float(min(first))
-            running = [i for i, t in zip(running, first) if t <= PRUNE_FACTOR * fastest]
+            running = [i for i, t in zip(running, first) if t <= prune_factor * fastest]
     if reference is None:
         dense = [i for i, m in enumerate(methods) if m.name == "none"]
         if dense:
             reference = averages[dense[0]]
-        else:
+        elif errors:
             xp = get_array_module(x)
             reference = comm.allreduce(xp.asarray(x, dtype=xp.float64), op="avg")
     used = sorted({op for m in measured for op in m.ops}, key=OPS.index)
-    tiny = tiny_probes(comm, used, probe_repeats, hook)
+    tiny = {} if tiny_cache is None else tiny_cache
+    tiny.update(tiny_probes(comm, [op for op in used if op not in tiny], probe_repeats, hook))
     for m, avg in zip(measured, averages):
-        m.error = relative_error(avg, reference)
+        m.error = NO_ERROR if reference is None else relative_error(avg, reference)
         for op, probe in m.ops.items():
             probe.tiny_s = tiny[op]
     return agree(comm, measured)
 
 
-__all__ = ["OPS", "CallClock", "Measurement", "MeasureHook", "OpProbe", "agree", "dry_run",
+__all__ = ["NO_ERROR", "OPS", "CallClock", "StepClock", "Measurement", "MeasureHook", "OpProbe", "agree", "dry_run",
            "measure_candidates", "relative_error", "throwaway_copy", "tiny_probes"]
