@@ -88,7 +88,7 @@ def ok_sparse_reduce_scatter(comm: Any, acc: Any, k: int, step: int,
     ``values`` are this rank's block of ``sum_i Sel(acc_i)`` (ascending
     global indices, sums over ranks: divide by P for the average) and whose
     ``involved`` is the whole local selection (everything sent reached the
-    result). ``state`` keeps ``local_th`` and gets ``local_count``,
+    result). ``state`` (an :class:`~horovod_compress.compressors.state.OkTopkState`) keeps ``local_th`` and gets ``local_count``,
     ``local_count_reused`` and ``global_count`` (the entries of this block);
     the allreduce's ``global_th`` and ``boundaries`` are left as they are.
     """
@@ -103,20 +103,20 @@ def ok_sparse_reduce_scatter(comm: Any, acc: Any, k: int, step: int,
         raise ValueError(f"oktopk: step must be >= 1, got {step}")
     if k < 1:
         raise ValueError(f"oktopk: k must be >= 1, got {k}")
-    th = float(state.get("local_th", 0.0))
-    exact = (step - 1) % schedule.tau_prime == 0 or "local_th" not in state or th <= 0.0
+    th = float(state.local_th or 0.0)
+    exact = (step - 1) % schedule.tau_prime == 0 or state.local_th is None or th <= 0.0
     with timeline.span("oktopk.local_selection", "compress", exact=bool(exact)):
         idx, val, th, reused, exact = _local_selection(
             acc, addends, th, exact, k, schedule.local_guard, scratch, gate)
     idx, val = to_host(idx), to_host(val)
-    state["local_th"] = (th if exact else
-                         _nudge(th, idx.size, k, schedule.low, schedule.high,
-                                schedule.local_scale, schedule.local_scale))
+    state.local_th = (th if exact else
+                      _nudge(th, idx.size, k, schedule.low, schedule.high,
+                             schedule.local_scale, schedule.local_scale))
     with comm.phase("oktopk.split_and_reduce"):
         red_idx, red_val = split_and_reduce(comm, idx, val, bounds, schedule.bucket_size)
-    state["local_count"] = int(idx.size)
-    state["local_count_reused"] = reused
-    state["global_count"] = int(red_idx.size)
+    state.local_count = int(idx.size)
+    state.local_count_reused = reused
+    state.global_count = int(red_idx.size)
     return OkTopkResult(red_idx, red_val, np.asarray(idx, dtype=np.int64), int(idx.size),
                         int(red_idx.size), reused, int(red_idx.size), exact, False, False)
 
