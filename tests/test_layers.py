@@ -46,6 +46,14 @@ def test_at_most_the_tensorflow_keras_cycle_is_left() -> None:
     assert cycles in ([], [ALLOWED_CYCLE]), cycles
 
 
+def test_every_function_level_import_has_a_reason() -> None:
+    """An import of the package's own modules inside a function defers something: a framework,
+    MPI's start, or the command line's start-up time. One that defers nothing belongs at the top."""
+    idle = [f"{i.path}:{i.line} imports {i.target}" for i in import_graph.function_level_imports()
+            if i.reason.startswith("none")]
+    assert not idle, "imports that could move to the top of their module:\n" + "\n".join(idle)
+
+
 @pytest.mark.parametrize("file, line, contract", [
     ("kernels/arrays.py", "from ..runtime import buckets as _upward  # noqa: F401",
      "Each layer imports only its own folder and the layers below it"),

@@ -13,7 +13,7 @@ import shutil
 import numpy as np
 import pytest
 
-from horovod_compress import mpi_launcher
+from horovod_compress.tools import mpi_launcher
 from horovod_compress.tools.mpi_launcher import MPICH, OPENMPI, selected
 from horovod_compress.tools.testing import mpi_env, mpirun_command, run_cases
 

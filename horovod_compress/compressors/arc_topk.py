@@ -102,6 +102,9 @@ from ..params import check_int
 from .registry import register
 from .row_common import check_ratio, rows_from_ratio
 from ..mpi_collectives.accounting import allreduce_volume
+from ..feedback import Feedback
+from ..feedback.ef21 import EF21M
+from ..mpi_collectives.shared_window import use_shared_window, window_allreduce_sum, window_message
 
 
 @dataclass(frozen=True)
@@ -200,8 +203,6 @@ class ArcTopK(Method):
         not fuse. EF21M's pass writes ``h'`` to a second buffer, swapped in only
         after the gate, so a step the ranks reject keeps every tracker as it was.
         """
-        from ..feedback import Feedback
-        from ..feedback.ef21 import EF21M
         if not self._host_fused(x):
             return False
         if type(self.feedback) is Feedback:
@@ -313,14 +314,12 @@ class ArcTopK(Method):
         """Whether the rows' sum goes through the shared-memory window: every rank shares this
         node (:func:`~horovod_compress.mpi_collectives.shared_window.use_shared_window`) and
         the message has at least :attr:`window_min_bytes`."""
-        from ..mpi_collectives.shared_window import use_shared_window
         return nbytes >= self.window_min_bytes and use_shared_window(comm)
 
     def _rows_message(self, name: str, comm: Any, k: int, n: int, dtype: Any) -> np.ndarray:
         """The K x n buffer the rows' message is gathered into: this rank's segment of the
         window when :meth:`_rows_window` (nothing is copied in), else a reused scratch buffer."""
         if self._rows_window(comm, k * n * np.dtype(dtype).itemsize):
-            from ..mpi_collectives.shared_window import window_message
             msg = window_message(comm, f"arc_rows:{name}", (k, n), dtype)
             if msg is not None:
                 return msg
@@ -333,7 +332,6 @@ class ArcTopK(Method):
         P = 2 the same bits, the same bytes accounted); the result is then the window's own
         array, read before this call returns."""
         if type(msg) is np.ndarray and self._rows_window(comm, msg.nbytes):
-            from ..mpi_collectives.shared_window import window_allreduce_sum
             return window_allreduce_sum(comm, f"arc_rows:{name}", msg)
         return comm.allreduce(msg, op="sum")
 

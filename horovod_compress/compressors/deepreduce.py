@@ -89,6 +89,10 @@ from ..kernels.scatter import SparseScratch, scatter_clear
 from .registry import create, method_class, register
 from .sparse_common import k_from_density
 from .topk import TopkA
+from ..feedback import Feedback
+from ..feedback.residual import ResidualFeedback
+from ..kernels.scatter import cancel_at
+from ..kernels.selection import add_topk
 
 
 class _LocalScratch(SparseScratch):
@@ -269,8 +273,6 @@ class DeepReduce(Method):
         """Fused Top-k under no feedback or EF14: every path passes the gate once before the
         allgatherv (:meth:`_reduce` or :meth:`_reduce_residual`), and the fused pass reports
         finiteness from its read of x, so the gradient is not read again for the check."""
-        from ..feedback import Feedback
-        from ..feedback.residual import ResidualFeedback
         return self._fuses(x) and type(self.feedback) in (Feedback, ResidualFeedback)
 
     def _reduce_residual(self, x: np.ndarray, e: np.ndarray, acc: np.ndarray, name: str,
@@ -288,8 +290,6 @@ class DeepReduce(Method):
         if not (self._fuses(x) and e.dtype == acc.dtype == np.float32 and x.flags.c_contiguous
                 and e.flags.c_contiguous and acc.flags.c_contiguous):
             return None
-        from ..kernels.scatter import cancel_at
-        from ..kernels.selection import add_topk
         flat = acc.reshape(-1)
         k = k_from_density(self._sparsifier.name, self._sparsifier.density, flat.size)
         support, values = np.empty(k, np.int64), np.empty(k, np.float32)

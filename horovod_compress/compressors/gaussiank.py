@@ -37,6 +37,8 @@ from .state import ThresholdState
 from .lowrank_common import check_bool
 from .registry import register
 from .sparse_common import DensitySparsifier, k_from_density, sparse_local
+from ..mpi_collectives.coo_messages import check_index_range
+from ..mpi_collectives.sparse_allreduce_baselines import allgatherv_sum
 
 ADJUST_FACTOR = 1.012
 ADJUST_MAX_STEPS = 50
@@ -90,8 +92,6 @@ class Gaussiank(DensitySparsifier):
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
                 state: TensorState) -> tuple[np.ndarray, np.ndarray]:
         # imported here: importing the package must not start MPI
-        from ..mpi_collectives.coo_messages import check_index_range
-        from ..mpi_collectives.sparse_allreduce_baselines import allgatherv_sum
 
         flat = x.reshape(-1)
         check_index_range(flat.size, self.name)

@@ -142,6 +142,10 @@ from .state import QuantizedState
 from ..params import check_choice, check_int
 from .registry import register
 from ..mpi_collectives.accounting import allreduce_volume
+from ..feedback import Feedback
+from ..feedback.residual import ResidualFeedback
+from ..mpi_collectives.shared_window import shared_window, use_shared_window, window_reduce_once_items
+from ..mpi_collectives.reduce_ops import reduce_stream, ring_piece_sizes, ring_reduce_once, tree_reduce_once
 
 _SPARSE_INDEX_BYTES = 4  # uint32 index per nonzero entry
 
@@ -284,8 +288,6 @@ class GlobalQSGD(Method):
         finite exactly when x is, unless x + e overflows -- then the gate tests x
         itself.
         """
-        from ..feedback import Feedback
-        from ..feedback.residual import ResidualFeedback
         return type(x) is np.ndarray and type(self.feedback) in (Feedback, ResidualFeedback)
 
     def _norm_and_gate(self, flat: Any) -> float:
@@ -358,7 +360,6 @@ class GlobalQSGD(Method):
             block = self._scatter_block(flat, comm)
             if xp is np and not sparse and block is None \
                     and self._use_ring(comm, self.payload_bytes(flat.size)):
-                from ..mpi_collectives.shared_window import use_shared_window
                 done = (self._exp_window(flat, q_scale, d_scale, key, comm, name, state)
                         if use_shared_window(comm) else None)
                 if done is not None:
@@ -441,7 +442,6 @@ class GlobalQSGD(Method):
         allgather(v): 2N(P-1)/P each way. Handles 4-bit packed codes too, but
         :meth:`_use_ring` sends only 8-bit ones here (chain order, see there).
         """
-        from ..mpi_collectives.reduce_ops import ring_reduce_once
         x = np.ascontiguousarray(flat)
         n, p = x.size, comm.size
         need_local = self.feedback.uses_local   # else ``local`` is None: one pass less
@@ -503,7 +503,6 @@ class GlobalQSGD(Method):
         MPI's transport and per-segment progress calls. None (nothing done) when the node
         has no room for the window (:func:`~horovod_compress.mpi_collectives.shared_window.shared_window`).
         """
-        from ..mpi_collectives.shared_window import shared_window, window_reduce_once_items
         window = shared_window(comm, f"{self.name}:{name}", flat.size)
         if window is None:
             return None
@@ -590,7 +589,6 @@ class GlobalQSGD(Method):
         calls with no-op kernels, 0.34 ms with 1 MiB pieces. Then
         :attr:`shm_ring_sizes` (1 MiB segments, 256 KiB slices) are used.
         """
-        from ..mpi_collectives.reduce_ops import ring_piece_sizes
         return ring_piece_sizes(comm, self.shm_ring_sizes)
 
     def _ring_buffers(self, name: str, nbytes: int) -> list[np.ndarray]:
@@ -664,7 +662,6 @@ class GlobalQSGD(Method):
         codes (1 byte or half a byte per element, a quarter or an eighth of
         the gradient) are copied to the host for the reduction and back.
         """
-        from ..mpi_collectives.reduce_ops import reduce_stream
         if self.bits == 4 and self._use_tree(comm):
             total, saturated = self._exp4_tree(to_host(payload), comm, rkey)
         else:
@@ -705,7 +702,6 @@ class GlobalQSGD(Method):
         reduced in round t uses words 2(t B + i) and 2(t B + i) + 1 of the rank's
         stream ``rkey`` (B = payload bytes), all distinct.
         """
-        from ..mpi_collectives.reduce_ops import tree_reduce_once
         nbytes = payload.size
         rk = np.uint64(rkey)
 

@@ -23,6 +23,7 @@ import numpy as np
 from .base import TensorState
 from .local_topk import LocalTopkSparsifier
 from .registry import register
+from ..mpi_collectives.sparse_allreduce_baselines import gtopk_allreduce
 
 
 @register
@@ -34,7 +35,6 @@ class GTopk(LocalTopkSparsifier):
     def _sum_selections(self, comm: Any, flat: np.ndarray, idx: np.ndarray, k: int,
                         state: TensorState) -> tuple[np.ndarray, np.ndarray]:
         # imported here: importing the package must not start MPI
-        from ..mpi_collectives.sparse_allreduce_baselines import gtopk_allreduce
 
         g_idx, g_val = gtopk_allreduce(comm, idx, flat[idx], k)
         avg = np.zeros_like(flat)

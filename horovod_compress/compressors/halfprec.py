@@ -23,6 +23,10 @@ from ..kernels.halfprec import decode16, encode16
 from .base import Method, TensorState
 from .registry import register
 from ..mpi_collectives.accounting import allreduce_volume
+from ..feedback import Feedback
+from ..kernels.halfprec import add16_range, decode16_range, encode16_range, encode16_range_finite
+from ..mpi_collectives.reduce_ops import ring_piece_sizes, ring_reduce_once_items
+from ..mpi_collectives.shared_window import shared_window, use_shared_window, window_reduce_once_items
 
 class _HalfPrecision(Method):
     kind = "fp16"
@@ -71,8 +75,6 @@ class _HalfPrecision(Method):
         """On the ring without feedback: the 16-bit rounding pass reports whether x is finite
         (one vector min per element), so the NaN/Inf agreement needs no separate read of x;
         that pass then runs whole before the ring starts (:meth:`_reduce_ring`)."""
-        from ..feedback import Feedback
-        from ..kernels.halfprec import encode16_range_finite
         return (type(self.feedback) is Feedback and self._scatter_block(x, comm) is None
                 and self._use_ring(comm, x)
                 and encode16_range_finite(self.kind) is not None)
@@ -98,8 +100,6 @@ class _HalfPrecision(Method):
         chain too): the same number of 16-bit roundings per element.
         Bytes: 2N(P-1)/P each way for N = 2n, counted as one allreduce.
         """
-        from ..kernels.halfprec import add16_range, decode16_range, encode16_range, encode16_range_finite
-        from ..mpi_collectives.reduce_ops import ring_piece_sizes, ring_reduce_once_items
         flat = np.ascontiguousarray(x).reshape(-1)
         n = flat.size
         own, total, partial, mine = self._ring_buffers(name, n)
@@ -149,8 +149,6 @@ class _HalfPrecision(Method):
         MPI's transport and its per-segment progress calls. None (nothing done) when the
         node has no room for the window (:func:`~horovod_compress.mpi_collectives.shared_window.shared_window`).
         """
-        from ..kernels.halfprec import add16_range, decode16_range, encode16_range, encode16_range_finite
-        from ..mpi_collectives.shared_window import shared_window, window_reduce_once_items
         flat = np.ascontiguousarray(x).reshape(-1)
         n = flat.size
         window = shared_window(comm, f"{self.kind}:{name}", n, 2)
@@ -189,7 +187,6 @@ class _HalfPrecision(Method):
         if block is not None:
             return self._reduce_scatter(x, comm, block)
         if self._use_ring(comm, x):
-            from ..mpi_collectives.shared_window import use_shared_window
             done = self._reduce_window(x, name, comm) if use_shared_window(comm) else None
             return done if done is not None else self._reduce_ring(x, name, comm)
         words = self.encode(x.reshape(-1), comm.size)

@@ -15,12 +15,12 @@ import numpy as np
 
 from .base import TensorState
 from .sparse_common import DensitySparsifier, k_from_density, sparse_local, topk_indices
+from ..mpi_collectives.coo_messages import check_index_range
 
 
 def sorted_local_topk(method: Any, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """(flat view of ``x``, indices of its k largest |x| ascending, k) for ``method.density``."""
     # imported here: importing the package must not start MPI
-    from ..mpi_collectives.coo_messages import check_index_range
 
     flat = x.reshape(-1)
     check_index_range(flat.size, method.name)

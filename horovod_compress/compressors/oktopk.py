@@ -69,6 +69,11 @@ from .state import OkTopkState
 from ..params import check_float, check_int
 from .registry import register
 from .sparse_common import check_density, k_from_density, sparse_local
+from ..mpi_collectives.oktopk import OkTopkSchedule, ok_sparse_allreduce
+from ..mpi_collectives.oktopk_reduce_scatter import ok_sparse_reduce_scatter
+from ..feedback import Feedback
+from ..feedback.residual import ResidualFeedback
+from ..kernels.oktopk_fused import cancel_at, densify
 
 DEFAULT_WARMUP_STEPS = 32
 
@@ -123,7 +128,6 @@ class OkTopk(Method):
 
         Imported here, not at module level: importing the package must not start MPI.
         """
-        from ..mpi_collectives.oktopk import OkTopkSchedule
 
         return OkTopkSchedule(
             tau=self.tau, tau_prime=self.tau_prime, bucket_size=self.bucket_size,
@@ -166,9 +170,7 @@ class OkTopk(Method):
         Imported here, not at module level: importing the package must not start MPI.
         """
         if self._scatter_block(flat, comm) is not None:
-            from ..mpi_collectives.oktopk_reduce_scatter import ok_sparse_reduce_scatter
             return ok_sparse_reduce_scatter
-        from ..mpi_collectives.oktopk import ok_sparse_allreduce
         return ok_sparse_allreduce
 
     def _reduce_residual(self, x: np.ndarray, e: np.ndarray, acc: np.ndarray, name: str,
@@ -201,8 +203,6 @@ class OkTopk(Method):
         """NumPy float vectors under no feedback or EF14: every path ends in :meth:`_host_step`
         (which passes the gate once, before the first message); on EF14's fused path the pass
         that forms ``acc`` also reports whether the gradient is finite, so it is not read again."""
-        from ..feedback import Feedback
-        from ..feedback.residual import ResidualFeedback
         return (type(x) is np.ndarray and x.dtype in (np.float32, np.float64)
                 and type(self.feedback) in (Feedback, ResidualFeedback))
 
@@ -227,7 +227,6 @@ class OkTopk(Method):
         in a reused buffer in O(k) (:func:`~horovod_compress.compressors.sparse_common.sparse_local`,
         whose support EF14 reads).
         """
-        from ..kernels.oktopk_fused import cancel_at, densify
 
         step = state.t - self.warmup_steps  # Algorithm 1's t: 1 at the first sparse step
         scratch = self.scratch.oktopk.setdefault(name, {})

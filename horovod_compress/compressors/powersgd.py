@@ -108,6 +108,8 @@ from .lowrank_common import (
 )
 from ..params import check_choice, check_float
 from .registry import register
+from ..feedback import Feedback
+from ..feedback.residual import ResidualFeedback
 
 
 #: ``q_init`` sources beyond ``"shared"``: name -> ``draw(seed, cols, r, dtype)``
@@ -321,8 +323,6 @@ class PowerSGD(Method):
         ``q_init="torch"``: a fresh ``Q`` advances the hook's shared random
         stream, which a step dropped for NaN/Inf must not do.
         """
-        from ..feedback import Feedback
-        from ..feedback.residual import ResidualFeedback
         return (self.q_init == "shared" and type(x) is np.ndarray
                 and x.dtype in (np.float32, np.float64)
                 and type(self.feedback) in (Feedback, ResidualFeedback)

@@ -28,6 +28,7 @@ from .lowrank_common import check_bool
 from .registry import register
 from .sparse_common import DensitySparsifier, k_from_density, sparse_local
 from ..mpi_collectives.accounting import allreduce_volume
+from ..kernels.scatter import cancel_at
 
 
 def shared_random_indices(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
@@ -93,7 +94,6 @@ class RandK(DensitySparsifier):
         if self.unbiased or not all(type(a) is np.ndarray and a.flags.c_contiguous and a.dtype == x.dtype
                                     for a in (x, e, acc)):
             return None
-        from ..kernels.scatter import cancel_at
         flat_x, flat_e, flat = x.reshape(-1), e.reshape(-1), acc.reshape(-1)
         idx = self.indices(name, state.t, flat.size)
         vals = self._average_values(flat_x[idx] + flat_e[idx], idx, flat, comm)

@@ -12,6 +12,7 @@ import inspect
 from typing import Any
 
 from ..feedback import feedback_parameters
+from .base import Method
 
 _METHODS: dict[str, type] = {}
 
@@ -177,7 +178,6 @@ def as_method(obj: Any, default: str = "none") -> Any:
     own ``hvd.Compression.none/fp16/bf16`` compressor classes (mapped to ours).
     Anything else is a ``ValueError`` saying what is expected.
     """
-    from .base import Method
     if obj is None:
         return create(default)
     if isinstance(obj, Method):

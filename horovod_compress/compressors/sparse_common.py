@@ -14,6 +14,8 @@ from ..kernels.arrays import get_array_module
 from ..kernels.scatter import scatter_sum  # noqa: F401  (re-exported: the methods' COO sum)
 from .base import Method
 from ..params import check_float
+from ..kernels.scatter import SparseScratch, topk_coo, topk_coo_float32
+from ..kernels.selection import kth_largest_abs, topk_by_candidates
 
 
 def k_from_density(method: str, density: float, n: int) -> int:
@@ -76,8 +78,6 @@ def exact_topk_coo(flat: np.ndarray, k: int, index_dtype: Any = np.int64,
     e.g. the two halves of a COO message buffer; ``scratch`` (a dict kept by
     the caller) holds the candidate buffers between calls.
     """
-    from ..kernels.scatter import topk_coo
-    from ..kernels.selection import kth_largest_abs, topk_by_candidates
 
     if out_idx is None:
         out_idx = np.empty(k, index_dtype)
@@ -90,7 +90,6 @@ def exact_topk_coo(flat: np.ndarray, k: int, index_dtype: Any = np.int64,
         if real is not None:
             return out_idx, out_val, real
     if flat.dtype == np.float32 and k <= flat.size:
-        from ..kernels.scatter import topk_coo_float32   # the radix select fused with the packing
         return out_idx, out_val, topk_coo_float32(flat, k, out_idx, out_val)
     thr = kth_largest_abs(flat, k)
     real = topk_coo(flat, thr, k, out_idx, out_val)
@@ -148,6 +147,5 @@ def sparse_local(method: Any, name: str, n: int, dtype: np.dtype, idx: np.ndarra
         sel = idx if count is None else idx[:count]
         local[sel] = src[sel]
         return local
-    from ..kernels.scatter import SparseScratch
     scratch = method.scratch.local.setdefault(name, SparseScratch())
     return scratch.fill(n, dtype, idx, src, count)

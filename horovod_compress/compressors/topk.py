@@ -40,6 +40,10 @@ from .sparse_common import (
     topk_indices,
     unpack_coo,
 )
+from ..feedback import Feedback
+from ..feedback.residual import ResidualFeedback
+from ..kernels.selection import add_topk
+from ..kernels.scatter import cancel_at
 
 
 @register
@@ -74,8 +78,6 @@ class TopkA(DensitySparsifier):
         """NumPy float32 under no feedback or EF14: every path ends in :meth:`_exchange`, which
         passes the gate; EF14's fused pass (:meth:`_reduce_residual`) reports finiteness from
         its read of x, so the gradient is not read a second time for the NaN/Inf check."""
-        from ..feedback import Feedback
-        from ..feedback.residual import ResidualFeedback
         return (type(x) is np.ndarray and x.dtype == np.float32
                 and type(self.feedback) in (Feedback, ResidualFeedback))
 
@@ -92,7 +94,6 @@ class TopkA(DensitySparsifier):
         if not (type(x) is np.ndarray and x.dtype == e.dtype == acc.dtype == np.float32
                 and x.flags.c_contiguous and e.flags.c_contiguous and acc.flags.c_contiguous):
             return None
-        from ..kernels.selection import add_topk
         n = x.size
         k = k_from_density(self.name, self.density, n)
         msg = np.empty(2 * k, np.float32)
@@ -143,7 +144,6 @@ class TopkA(DensitySparsifier):
         with _timeline.span("topk.scatter_sum", "decompress", entries=int(all_idx.size)):
             avg = scatter_sum(n, all_idx, all_val, flat.dtype, scale=1.0 / comm.size)
         if residual:
-            from ..kernels.scatter import cancel_at
             with _timeline.span("feedback.residual", "feedback"):
                 cancel_at(flat, idx, real)
             return avg.reshape(shape), None

@@ -29,6 +29,7 @@ from .base import TensorState
 from .state import FillInState
 from .local_topk import LocalTopkSparsifier
 from .registry import register
+from ..mpi_collectives.sparse_allreduce_baselines import dsa_allreduce
 
 
 @register
@@ -42,7 +43,6 @@ class TopkDSA(LocalTopkSparsifier):
     def _sum_selections(self, comm: Any, flat: np.ndarray, idx: np.ndarray, k: int,
                         state: TensorState) -> tuple[np.ndarray, np.ndarray]:
         # imported here: importing the package must not start MPI
-        from ..mpi_collectives.sparse_allreduce_baselines import dsa_allreduce
 
         total, info = dsa_allreduce(comm, idx, flat[idx], flat.size,
                                     scatter_only=self._scatter_block(flat, comm) is not None)

@@ -22,6 +22,7 @@ from ..kernels.arrays import get_array_module
 from ..mpi_collectives import timeline as _timeline
 from .base import Feedback, register_feedback
 from .state import ResidualState
+from ..kernels.scatter import subtract_at
 
 
 @register_feedback
@@ -83,7 +84,6 @@ class ResidualFeedback(Feedback):
         else:                      # local is zero outside its support: O(k), same values
             flat, lflat = acc.reshape(-1), local.reshape(-1)
             if xp is np and flat.dtype == lflat.dtype and lflat.flags.c_contiguous:
-                from ..kernels.scatter import subtract_at
                 subtract_at(flat, lflat, support)   # compiled: one read-modify-write per index
             else:
                 flat[support] -= lflat[support]

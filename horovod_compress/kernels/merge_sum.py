@@ -31,6 +31,7 @@ from typing import Sequence
 
 import numpy as np
 from numba import njit
+from .scatter import scatter_sum
 
 #: Largest number of lists merged; above it the dense float64 ``bincount`` path runs.
 MERGE_MAX_PARTS = 16
@@ -87,7 +88,6 @@ def merge_sum(n: int, slots: Sequence[np.ndarray], values: Sequence[np.ndarray],
     """
     dtype = np.dtype(dtype)
     if len(slots) > MERGE_MAX_PARTS:
-        from .scatter import scatter_sum
         cat = np.concatenate([np.asarray(s, np.int64) for s in slots])
         weights = np.concatenate([np.asarray(v).astype(np.float64) for v in values])
         return scatter_sum(n, cat, weights, dtype) / dtype.type(size)

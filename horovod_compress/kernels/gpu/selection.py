@@ -49,6 +49,8 @@ from ._common import (
     to_host,
     zeros,
 )
+from ..selection import check_density, threshold_from_moments
+from .. import selection as cpu
 
 
 # ------------------------------------------------------------ threshold select
@@ -176,7 +178,6 @@ def _mean_std(x: Any) -> tuple[float, float]:
 
 def gaussian_threshold(x: Any, density: float) -> float:
     """Gaussiank's estimate ``|mu| + sigma * Phi^-1(1 - density / 2)`` of the k-th largest ``|x|``."""
-    from ..selection import check_density, threshold_from_moments
     x = _float_vector(x)
     if x.size == 0:
         return math.inf
@@ -255,7 +256,6 @@ def coo_sum(indices: Any, values: Any) -> tuple[Any, Any]:
         raise ValueError(f"indices must be non-negative on the GPU, got minimum {lo}")
     span = hi + 1
     if span > 8 * m + (1 << 22):
-        from .. import selection as cpu
         ui, uv = cpu.coo_sum(to_host(idx), to_host(val))
         return to_device(ui, idx), to_device(uv, idx)
     counts = zeros(idx, span, np.int64)
