@@ -9,6 +9,8 @@ rates with identical settings.
 """
 from __future__ import annotations
 
+import pytest
+
 import horovod_compress as hvdc
 from horovod_compress.tools.testing import run_cases
 
@@ -40,7 +42,13 @@ def case_digits(comm):
 def test_arc_topk_ef21m_matches_dense_and_beats_randk_on_digits():
     res = run_cases(4, __file__, [case_digits], timeout=600)[case_digits]
     out = res[0]
-    assert all(v == out for v in res.values())
+    for v in res.values():          # every rank trained the same model on the same bytes
+        for label, r in v.items():
+            assert r["test_accuracy"] == out[label]["test_accuracy"], (label, r, out[label])
+            assert r["dense_bytes_per_step"] == out[label]["dense_bytes_per_step"]
+            # each rank counts its own whole chunks of the ring: equal within its rounding
+            assert r["bytes_sent_per_step"] == pytest.approx(out[label]["bytes_sent_per_step"],
+                                                             rel=1e-3), (label, r, out[label])
     dense, arc = out["dense"], out["arc/0.5"]
     assert arc["test_accuracy"] >= dense["test_accuracy"] - 0.01, out    # within 1 point
     for lr in (0.5, 0.2):                                                 # same settings

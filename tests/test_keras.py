@@ -210,7 +210,10 @@ def case_callbacks(comm):
     for e in range(2):
         assert np.isclose(h["hvdc_compression_ratio"][e], 4 * dense_step / h["hvdc_bytes_sent"][e])
     assert 0.05 < h["hvdc_compression_error"][1] < 1.5, h["hvdc_compression_error"]
-    assert h["hvdc_check_bytes_sent"][1] == 3 * 2.0 * n * 8 * (p - 1) / p  # steps 5, 6, 8
+    # steps 5, 6, 8: three allreduces of 2n float64, each this rank's whole chunks of the ring
+    # (within two elements of the formula 2N(P-1)/P)
+    check = h["hvdc_check_bytes_sent"][1]
+    assert check == pytest.approx(3 * 2.0 * n * 8 * (p - 1) / p, abs=3 * 2 * 8), check
     errors = value_error_messages([
         lambda: hvdc_keras.CompressionWarmupCallback(),
         lambda: hvdc_keras.CompressionWarmupCallback(steps=2, epochs=1),

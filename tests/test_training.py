@@ -59,6 +59,10 @@ def test_method_within_two_points_of_dense(runs, method):
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_compressed_methods_send_less(runs):
-    assert runs["fp16"]["compression_ratio"] == pytest.approx(2.0)
+    # each rank counts its own whole chunks of the ring (the same partition for both), so
+    # fp16 sends exactly half of dense's bytes, and the ratio against the formula 2N(P-1)/P
+    # is 2 within that rounding (a few elements in 2N(P-1)/P)
+    assert runs["fp16"]["bytes_sent_per_step"] * 2 == runs["none"]["bytes_sent_per_step"]
+    assert runs["fp16"]["compression_ratio"] == pytest.approx(2.0, rel=1e-4)
     assert runs["topk"]["compression_ratio"] > 20
     assert runs["randk"]["compression_ratio"] == pytest.approx(4.0, rel=1e-3)
