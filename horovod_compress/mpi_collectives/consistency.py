@@ -14,13 +14,29 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-from typing import TYPE_CHECKING, Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import numpy as np
 
 from .check_group import check_group_of
-if TYPE_CHECKING:   # a type only: the runtime's bucket plan sits above this layer
-    from ..runtime.buckets import TensorSpec
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A gradient the exchange handles: its name, shape and dtype (a NumPy dtype string).
+
+    Defined here, beside the check that compares these across ranks; the runtime's bucket
+    plan (:mod:`horovod_compress.runtime.buckets`) builds its buckets from them.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape)) if self.shape else 1
 
 
 class TensorMismatchError(ValueError):

@@ -18,20 +18,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..mpi_collectives.consistency import TensorSpec
+
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024  # Horovod's HOROVOD_FUSION_THRESHOLD default
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """A gradient the exchange handles: its name, shape and dtype (a NumPy dtype string)."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def numel(self) -> int:
-        return int(np.prod(self.shape)) if self.shape else 1
 
 
 @dataclass
