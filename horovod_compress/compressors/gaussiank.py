@@ -91,8 +91,6 @@ class Gaussiank(DensitySparsifier):
 
     def _reduce(self, x: np.ndarray, name: str, comm: Any,
                 state: TensorState) -> tuple[np.ndarray, np.ndarray]:
-        # imported here: importing the package must not start MPI
-
         flat = x.reshape(-1)
         check_index_range(flat.size, self.name)
         th = self.threshold(flat)

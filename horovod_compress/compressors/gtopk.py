@@ -34,8 +34,6 @@ class GTopk(LocalTopkSparsifier):
 
     def _sum_selections(self, comm: Any, flat: np.ndarray, idx: np.ndarray, k: int,
                         state: TensorState) -> tuple[np.ndarray, np.ndarray]:
-        # imported here: importing the package must not start MPI
-
         g_idx, g_val = gtopk_allreduce(comm, idx, flat[idx], k)
         avg = np.zeros_like(flat)
         avg[g_idx] = g_val / flat.dtype.type(comm.size)

@@ -20,8 +20,6 @@ from ..mpi_collectives.coo_messages import check_index_range
 
 def sorted_local_topk(method: Any, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """(flat view of ``x``, indices of its k largest |x| ascending, k) for ``method.density``."""
-    # imported here: importing the package must not start MPI
-
     flat = x.reshape(-1)
     check_index_range(flat.size, method.name)
     k = k_from_density(method.name, method.density, flat.size)

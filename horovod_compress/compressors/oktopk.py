@@ -124,11 +124,7 @@ class OkTopk(Method):
         return max(1, k_from_density(self.name, self.density, n))
 
     def schedule(self) -> Any:
-        """The :class:`~horovod_compress.mpi_collectives.oktopk.OkTopkSchedule` of this method.
-
-        Imported here, not at module level: importing the package must not start MPI.
-        """
-
+        """The :class:`~horovod_compress.mpi_collectives.oktopk.OkTopkSchedule` of this method."""
         return OkTopkSchedule(
             tau=self.tau, tau_prime=self.tau_prime, bucket_size=self.bucket_size,
             balance_factor=self.balance_factor,
@@ -165,10 +161,7 @@ class OkTopk(Method):
     def _exchange(self, flat: Any, comm: Any) -> Any:
         """Algorithm 1 (:func:`~horovod_compress.mpi_collectives.oktopk.ok_sparse_allreduce`),
         or inside :meth:`~.base.Method.reduce_scatter` its reduce-scatter variant
-        (:func:`~horovod_compress.mpi_collectives.oktopk_reduce_scatter.ok_sparse_reduce_scatter`).
-
-        Imported here, not at module level: importing the package must not start MPI.
-        """
+        (:func:`~horovod_compress.mpi_collectives.oktopk_reduce_scatter.ok_sparse_reduce_scatter`)."""
         if self._scatter_block(flat, comm) is not None:
             return ok_sparse_reduce_scatter
         return ok_sparse_allreduce

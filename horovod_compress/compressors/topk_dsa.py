@@ -42,8 +42,6 @@ class TopkDSA(LocalTopkSparsifier):
 
     def _sum_selections(self, comm: Any, flat: np.ndarray, idx: np.ndarray, k: int,
                         state: TensorState) -> tuple[np.ndarray, np.ndarray]:
-        # imported here: importing the package must not start MPI
-
         total, info = dsa_allreduce(comm, idx, flat[idx], flat.size,
                                     scatter_only=self._scatter_block(flat, comm) is not None)
         state.fill_in = int(info["nnz"])
