@@ -160,6 +160,20 @@ def test_probe_passes_pool_their_samples():
         merge_probes([])
 
 
+def test_e2e_report_says_what_auto_chose_against_the_fastest_fixed_method():
+    from horovod_compress.tools.bench.e2e import auto_choices
+    decision = {"chosen": "topk", "predicted_ms": 31.5, "runner_up": "oktopk", "runner_up_ms": 33.0,
+                "reason": "first call"}
+    run = {"world_size": 4, "bandwidth": "1gbit",
+           "methods": {"none": {"step_s": 0.9}, "topk": {"step_s": 0.30}, "oktopk": {"step_s": 0.32},
+                       "fp16": {"error": "failed"}, "auto": {"step_s": 0.33, "decisions": {"bucket0": decision}}}}
+    lines = auto_choices([run], list(run["methods"]))
+    assert lines[1] == "What `auto` chose, per bucket, at the end of its measured steps:"
+    assert lines[-1] == ("- `auto` at P=4 1 Gbit: bucket0: topk (predicted 31.5 ms, runner-up oktopk 33.0 ms); "
+                         "step 1.10x the fastest fixed method's (topk), 0.37x dense's.")
+    assert auto_choices([dict(run, methods={"none": {"step_s": 0.9}})], ["none"]) == []   # no auto: no lines
+
+
 def test_a_run_whose_ranks_never_start_fails_fast():
     """The launcher's start watchdog: a job that prints nothing is killed after --start-timeout
     (not --timeout) with its own error, which the bench answers by launching the run once more;

@@ -550,6 +550,27 @@ def page_title(report: dict[str, Any]) -> str:
     return f"Whole training steps on shaped links: {runs[0]['model']}, {shown}, P = {ps}, {bws}"
 
 
+def auto_choices(runs: list[dict[str, Any]], labels: list[str]) -> list[str]:
+    """What ``auto`` ran in each column, per bucket, and how fast against the fastest fixed method
+    and dense (lines for the report; none when no ``auto`` row has decisions)."""
+    out = []
+    for label in labels:
+        for r in runs:
+            m = r["methods"].get(label, {})
+            if not m.get("decisions"):
+                continue
+            fixed = {lb: v["step_s"] for lb, v in r["methods"].items()
+                     if lb != label and "step_s" in v and not v.get("decisions")}
+            best = min(fixed, key=fixed.get) if fixed else None
+            chosen = ", ".join(f"{b}: {d['chosen']} (predicted {d['predicted_ms']:.1f} ms"
+                               + (f", runner-up {d['runner_up']} {d['runner_up_ms']:.1f} ms" if d.get("runner_up")
+                                  else "") + ")" for b, d in m["decisions"].items())
+            vs = (f"; step {m['step_s'] / fixed[best]:.2f}x the fastest fixed method's ({best})"
+                  + (f", {m['step_s'] / fixed['none']:.2f}x dense's" if "none" in fixed else "")) if best else ""
+            out.append(f"- `{label}` at P={r['world_size']} {_fmt_bw(r['bandwidth'])}: {chosen}{vs}.")
+    return ["", "What `auto` chose, per bucket, at the end of its measured steps:", ""] + out if out else []
+
+
 def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
     runs = report["runs"]
     failed = report.get("failed_runs", [])
@@ -643,6 +664,7 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
             m = r["methods"].get(label, {})
             mb.append("-" if "error" in m else f"{m['bytes_per_step'] / 1e6:.2f}")
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {', '.join(mb)} |")
+    lines += auto_choices(runs, labels)
     lines += exchange_speedup_table(runs, labels)
     for r in runs:
         lines += ["", f"## Breakdown, P = {r['world_size']}, {_fmt_bw(r['bandwidth'])}", "",
