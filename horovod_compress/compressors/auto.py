@@ -46,14 +46,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..kernels.arrays import is_cupy, is_gpu_array, to_device_like, to_host
+from ..kernels.arrays import get_array_module, is_cupy, is_gpu_array, to_device_like, to_host
 from ..params import check_float, check_int
 from ..mpi_collectives import world as _world
 from ..mpi_collectives.consistency import TensorMismatchError
-from .auto_bound import bound_candidates
+from .auto_bound import BOUND_MIN_SLICE, bound_candidates
 from .auto_decide import Decision, DriftMonitor, choose, predict_exchange
 from .auto_link import LinkCheck
-from .auto_measure import NO_ERROR, CallClock, MeasureHook, StepClock, measure_candidates
+from .auto_measure import NO_ERROR, CallClock, MeasureHook, StepClock, measure_candidates, preload
 from .base import Method, TensorState
 from .registry import MethodFactory, create, register
 
@@ -174,9 +174,10 @@ class Auto(Method):
         self._tiny: dict[str, float] = {}       # latency probes of this link, op -> seconds
         self._tiny_world = 0                    # the world size they were taken at
         self._cost = {"deciding_s": 0.0, "first_s": 0.0, "first_calls_s": 0.0, "again_s": 0.0,
-                      "checking_s": 0.0, "link_s": 0.0, "link_checks": 0, "link_changes": 0,
+                      "loading_s": 0.0, "checking_s": 0.0, "link_s": 0.0, "link_checks": 0, "link_changes": 0,
                       "measured": 0, "rechecked": 0, "shared": 0, "ruled_out": 0}
         self._active: Method | None = None
+        self._loaded: set[str] = set()          # dtypes whose candidates this process has called
         self.set_nonfinite(self.nonfinite)
 
     # ------------------------------------------------------------- settings
@@ -253,10 +254,10 @@ class Auto(Method):
             self._decide(grad, name, comm, "world size")
         elif decision.numel != grad.size:
             self._decide(grad, name, comm, "new shape")
+        elif name in self._relink:        # the link check: the more specific of the two reasons
+            self._decide(grad, name, comm, "link")
         elif name in self._redecide:
             self._decide(grad, name, comm, "drift")
-        elif name in self._relink:
-            self._decide(grad, name, comm, "link")
         inner = self._active = self.candidates[self._decisions[name].chosen]
         x = grad
         debt = self._pending.pop(name, None)
@@ -302,7 +303,7 @@ class Auto(Method):
                 log.info("auto: the link check took %.3f x its reference for %d checks in a row: "
                          "every bucket decides again", self._link.ratio(), self.patience)
             self._link.reset()
-        spent = time.perf_counter() - t0
+        spent = time.perf_counter() - t0 - self._link.waited    # not the wait for later peers
         self._cost["checking_s"] += spent
         self._cost["link_s"] += spent
         self._cost["link_checks"] += 1
@@ -312,10 +313,11 @@ class Auto(Method):
         """Decide for bucket ``name`` (:meth:`_decide_now`), its wall time counted in
         :meth:`decision_cost`."""
         t0 = time.perf_counter()
+        loading = self._cost["loading_s"]
         try:
             self._decide_now(grad, name, comm, reason)
         finally:
-            spent = time.perf_counter() - t0
+            spent = time.perf_counter() - t0 - (self._cost["loading_s"] - loading)
             self._cost["deciding_s"] += spent
             self._cost["first_calls_s" if reason == "first call" else "again_s"] += spent
             if self._cost["first_s"] == 0.0 and self._cost["measured"]:
@@ -351,6 +353,7 @@ class Auto(Method):
             if seq > (current.seq if current is not None else -1):   # measured since: reuse it
                 decision = self._shared_decision(self._history[seq], name, reason, step, current)
             else:
+                self._preload(x, name, comm)
                 decision = self._measured_decision(x, name, comm, reason, step, current)
                 self._by_shape[shape] = len(self._history)
             self._link_cap = max(self._link_cap, int(x.nbytes))
@@ -375,6 +378,20 @@ class Auto(Method):
         if comm.rank == 0:
             log.info(decision.line())
 
+    def _preload(self, x: Any, name: str, comm: Any) -> None:
+        """The process's first measured decision for ``x``'s dtype first calls every candidate
+        once on a small array (:func:`.auto_measure.preload`: loading compiled kernels, imports);
+        its seconds are ``loading_s`` in :meth:`decision_cost`, not part of ``deciding_s``."""
+        if x.dtype.str in self._loaded:
+            return
+        t0 = time.perf_counter()
+        n = min(int(x.size), BOUND_MIN_SLICE)
+        xp = get_array_module(x)
+        small = xp.asarray(np.random.default_rng(self.seed).standard_normal(n), dtype=x.dtype)
+        preload(list(self.candidates.values()), small, f"{name}#load", comm)
+        self._loaded.add(x.dtype.str)
+        self._cost["loading_s"] += time.perf_counter() - t0
+
     def _choice(self, name: str, reason: str, step: int, world_size: int, numel: int,
                 table: dict[str, dict[str, Any]], current: Decision | None) -> Decision:
         """The decision the rule of :func:`choose` takes on a table of predictions and errors."""
@@ -398,7 +415,7 @@ class Auto(Method):
         keep, sliced, scale, bounds = bound_candidates(labels, methods, x, name, comm,
                                                        probe_repeats=self.probe_repeats,
                                                        hook=self._measured, tiny_cache=self._tiny)
-        if reason in ("drift", "link") and sliced is not None and current is not None \
+        if reason == "drift" and sliced is not None and current is not None \
                 and current.chosen in labels:
             cur = labels.index(current.chosen)
             if min(bounds) >= bounds[cur] * (1.0 - self.switch_margin):
@@ -481,8 +498,10 @@ class Auto(Method):
     def decision_cost(self) -> dict[str, float]:
         """What deciding has cost this process so far: ``deciding_s`` (wall seconds of the calls
         that decided, less their own exchange: bounds, dry runs, probes, agreement),
-        ``first_s`` (the first decision that measured: it also pays the process's one-off
-        costs, such as loading every candidate's compiled kernels), ``first_calls_s`` (every
+        ``loading_s`` (the process's one-off start-up, apart: every candidate's first call on a
+        small array before the first measured decision, which loads its compiled kernels and
+        imports its modules; not in ``deciding_s``), ``first_s`` (the first decision that
+        measured), ``first_calls_s`` (every
         bucket's first decision) and ``again_s`` (the decisions after a drift, a new world size
         or a new bucket size, or after a link change; the two add up to ``deciding_s``), ``checking_s`` (the drift
         windows' agreements and the link checks), ``link_s`` (the link checks' share of it),

@@ -193,6 +193,16 @@ def throwaway_copy(method: Any) -> Any:
     return clone
 
 
+def preload(methods: Sequence[Any], x: Any, name: str, comm: Any) -> None:
+    """One untimed call of a throw-away copy of each method on ``x`` (a small array of the
+    buckets' dtype and device): the process's one-off costs of each method's first call --
+    loading its compiled kernels from Numba's cache, importing the modules it needs, creating
+    shared-memory windows -- paid here once, so no decision's timings carry them."""
+    for method in methods:
+        comm.barrier()
+        throwaway_copy(method).allreduce(x.copy(), name, comm)
+
+
 def relative_error(avg: Any, reference: Any) -> float:
     """``||avg - reference|| / ||reference||`` in float64 (0 for two zero vectors)."""
     a = np.asarray(to_host(avg), np.float64).ravel()
@@ -301,4 +311,4 @@ def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
 
 
 __all__ = ["NO_ERROR", "OPS", "CallClock", "StepClock", "Measurement", "MeasureHook", "OpProbe", "agree", "dry_run",
-           "measure_candidates", "relative_error", "throwaway_copy", "tiny_probes"]
+           "measure_candidates", "preload", "relative_error", "throwaway_copy", "tiny_probes"]
