@@ -137,7 +137,8 @@ def case_drift_redecides_with_hysteresis(comm):
     there, by 50%, but not by the switch margin of 60%)."""
     link = SyntheticLink()
     method = hvdc.Compression.auto(candidates=["none", "topk"], window=5, patience=2, band=0.5,
-                                   switch_margin=0.6, dry_runs=2, probe_repeats=1, measure_hook=link)
+                                   switch_margin=0.6, dry_runs=2, probe_repeats=1, measure_hook=link,
+                                   link_every=0)      # the windows alone (the link check: below)
 
     def rate(t: int) -> float:
         return SLOW if 11 <= t <= 15 or 21 <= t <= 45 else FAST
@@ -336,11 +337,72 @@ def case_many_switches_conserve_the_gradient(comm):
     return {"switches": switches}
 
 
+#: A link on which Top-k's exchange is compression-bound: at LINK_SLOW Top-k is the faster
+#: (dense's 64 KiB take 3.3 ms at P = 2), at 10x the rate dense is, by more than the switch
+#: margin (1.3 against 2.0 ms at P = 2; 1.5 against 2.0 at P = 4), while Top-k's own exchange
+#: time moves by a few percent: its drift windows cannot see the change.
+LINK_SLOW, LINK_FAST = 2e7, 2e8
+
+
+def _link_run(method, comm, link, steps, change_at):
+    return _run_steps(method, comm, link, steps, lambda t: LINK_SLOW if t <= change_at else LINK_FAST)
+
+
+def case_link_change_redecides(comm):
+    """The link gets 10x faster after call 30: the link check (every 10 calls, 2 strikes) finds it
+    at call 50 and the bucket switches from Top-k to dense; the drift windows alone do not. A
+    checkpoint taken between the two strikes resumes the same decisions and bits."""
+    def fresh(link, **kw):
+        return hvdc.Compression.auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
+                                     measure_hook=link, **kw)
+    blind_link = SyntheticLink()
+    blind = fresh(blind_link, link_every=0)
+    _link_run(blind, comm, blind_link, range(1, 101), 30)
+    link_a = SyntheticLink()
+    a = fresh(link_a)
+    _link_run(a, comm, link_a, range(1, 46), 30)
+    saved = pickle.dumps(a.state_dict())
+    tail_a = _link_run(a, comm, link_a, range(46, 101), 30)
+    link_b = SyntheticLink()
+    b = fresh(link_b)
+    b.load_state_dict(pickle.loads(saved))
+    tail_b = _link_run(b, comm, link_b, range(46, 101), 30)
+    for t in tail_a:
+        assert np.array_equal(_bits(tail_a[t]), _bits(tail_b[t])), f"step {t} differs after resume"
+    assert a.decision_log() == b.decision_log()
+    log = [(d["step"], d["chosen"], d["reason"]) for d in a.decision_log()]
+    gathered = comm.allgather_object(log)
+    assert all(g == gathered[0] for g in gathered)
+    cost = a.decision_cost()
+    return {"log": log, "blind": [(d["step"], d["chosen"]) for d in blind.decision_log()],
+            "checks": cost["link_checks"], "changes": cost["link_changes"],
+            "link_s": cost["link_s"], "checking_s": cost["checking_s"]}
+
+
+def case_link_noise_inside_the_band(comm):
+    """A link check that varies by up to 1.4x (each rank its own noise; band 1.0) for 100 calls
+    never triggers a decision."""
+    rng = np.random.default_rng(comm.rank)
+    base = SyntheticLink(LINK_SLOW)
+
+    def noisy(kind: str, seconds: float, nbytes: float) -> float:
+        t = base(kind, seconds, nbytes)
+        return t * rng.uniform(1.0, 1.4) if kind == "link" else t
+    method = hvdc.Compression.auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
+                                   measure_hook=noisy)
+    for t in range(1, 101):
+        method.allreduce(_grad(comm.rank, t), "b", comm)
+    cost = method.decision_cost()
+    return {"decisions": len(method.decision_log()), "checks": cost["link_checks"],
+            "changes": cost["link_changes"]}
+
+
 CORE_CASES = [case_all_ranks_choose_the_same, case_crafted_disagreement_yields_one_decision,
               case_drift_redecides_with_hysteresis, case_switch_flushes_the_residual,
               case_error_budget_excludes_a_faster_method,
               case_checkpoint_after_switch_resumes_bit_identical, case_bound_rules_out_and_shapes_share,
-              case_drift_recheck_on_slices, case_many_switches_conserve_the_gradient]
+              case_drift_recheck_on_slices, case_many_switches_conserve_the_gradient,
+              case_link_change_redecides, case_link_noise_inside_the_band]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
@@ -400,6 +462,23 @@ def test_drift_recheck_on_slices(mpi):
 def test_many_switches_conserve_the_gradient(mpi):
     out = mpi[case_many_switches_conserve_the_gradient]
     assert len({v["switches"] for v in out.values()}) == 1     # the same switches on every rank
+
+
+def test_link_change_redecides_within_50_steps(mpi):
+    out = mpi[case_link_change_redecides]
+    log = out[0]["log"]
+    # checks at calls 10 (the reference), 20, 30 (slow), 40 and 50 (fast: two strikes) -> call 50
+    # decides again, 20 calls after the change; the reference is taken again at call 60
+    assert log == [[1, "topk", "first call"], [50, "none", "link"]], log
+    assert all(v["log"] == log for v in out.values())
+    assert all(v["blind"] == [[1, "topk"]] for v in out.values())    # the windows alone: never
+    assert all(v["checks"] == 10 and v["changes"] == 1 for v in out.values())
+    assert all(0 < v["link_s"] <= v["checking_s"] for v in out.values())
+
+
+def test_link_noise_inside_the_band_does_not_redecide(mpi):
+    out = mpi[case_link_noise_inside_the_band]
+    assert all(v == {"decisions": 1, "checks": 10, "changes": 0} for v in out.values()), out
 
 
 def test_torch_optimizer_with_auto():

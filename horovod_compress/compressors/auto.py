@@ -25,6 +25,11 @@ algorithm chosen by the user. ``auto`` measures and chooses:
    band ``band`` (a link got slower or faster) trigger a new measurement, and
    a method is replaced only by one predicted faster by ``switch_margin``.
    A new world size (an elastic reset) decides again at once.
+4. Every ``link_every`` calls of the first bucket it measured, a timed dense
+   allreduce of a fixed size checks the link itself (:mod:`.auto_link`): a
+   link that changed speed shows there even where the running method's
+   exchange time hides it (a compression-bound sparsifier); ``patience``
+   checks in a row outside the band make every measured bucket decide again.
 
 Switching a bucket from a method with EF14 error feedback hands its
 residual ``e`` (what compression has not yet delivered) to the next step:
@@ -41,13 +46,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..kernels.arrays import is_cupy, is_gpu_array, to_device_like, to_host
+from ..kernels.arrays import get_array_module, is_cupy, is_gpu_array, to_device_like, to_host
 from ..params import check_float, check_int
 from ..mpi_collectives import world as _world
 from ..mpi_collectives.consistency import TensorMismatchError
-from .auto_bound import bound_candidates
+from .auto_bound import BOUND_MIN_SLICE, bound_candidates
 from .auto_decide import Decision, DriftMonitor, choose, predict_exchange
-from .auto_measure import NO_ERROR, CallClock, MeasureHook, StepClock, measure_candidates
+from .auto_link import LinkCheck
+from .auto_measure import NO_ERROR, CallClock, MeasureHook, StepClock, measure_candidates, preload
 from .base import Method, TensorState
 from .registry import MethodFactory, create, register
 
@@ -67,6 +73,10 @@ DEFAULT_MIN_NUMEL = 4096
 #: A drift re-decision that keeps the bucket's method doubles the windows out of band the next
 #: one needs, up to this factor times ``patience`` (a switch, or any other decision, resets it).
 DRIFT_BACKOFF = 2
+#: The link check's message (bytes) when the largest measured bucket is larger: at 1 Gbit its
+#: allreduce at P = 2 takes about 2 ms, at 10 Gbit about 0.2 ms plus the latency, so the
+#: bandwidth term shows a 10x change of the link several-fold.
+DEFAULT_LINK_BYTES = 1 << 18
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +122,9 @@ class Auto(Method):
         of ``patience`` consecutive windows of ``window`` steps leaves ``[1/(1+band), 1+band]``.
     switch_margin: a bucket changes method only for one predicted faster by this fraction.
     min_numel: smaller buckets run dense without measuring.
+    link_every: calls of the first measured bucket between two link checks (:mod:`.auto_link`;
+        0: no link check); ``patience`` checks in a row outside ``band`` decide again.
+    link_bytes: the link check's allreduce size (capped at the largest measured bucket's bytes).
     measure_hook: ``hook(kind, seconds, nbytes) -> seconds`` applied to every time measured
         (``kind``: a collective's name, or ``"compress:<method>"``); for tests and what-if runs. Not part
         of the configuration.
@@ -123,6 +136,7 @@ class Auto(Method):
     def __init__(self, *, candidates: Sequence[Any] | None = None, error_budget: float | None = None,
                  dry_runs: int = 2, probe_repeats: int = 3, window: int = 10, band: float = 1.0,
                  patience: int = 2, switch_margin: float = 0.1, min_numel: int = DEFAULT_MIN_NUMEL,
+                 link_every: int = 10, link_bytes: int = DEFAULT_LINK_BYTES,
                  seed: int = 0, measure_hook: MeasureHook | None = None) -> None:
         super().__init__(seed=seed)
         items = DEFAULT_CANDIDATES if candidates is None else candidates
@@ -143,10 +157,16 @@ class Auto(Method):
         self.switch_margin = check_float(self.name, "switch_margin", switch_margin, 0.0, 1.0,
                                          high_open=True)
         self.min_numel = check_int(self.name, "min_numel", min_numel, 0)
+        self.link_every = check_int(self.name, "link_every", link_every, 0)
+        self.link_bytes = check_int(self.name, "link_bytes", link_bytes, 8)
         self.measure_hook: MeasureHook | None = measure_hook
         self._decisions: dict[str, Decision] = {}
         self._monitors: dict[str, DriftMonitor] = {}
         self._redecide: set[str] = set()
+        self._relink: set[str] = set()          # buckets to decide again after a link change
+        self._link = LinkCheck(self.link_every, self.band, self.patience)
+        self._link_bucket: str | None = None    # the bucket whose calls time the link checks
+        self._link_cap = 0                      # the largest measured bucket's bytes
         self._pending: dict[str, np.ndarray] = {}
         self._history: list[Decision] = []
         self._calls: dict[str, int] = {}
@@ -154,8 +174,10 @@ class Auto(Method):
         self._tiny: dict[str, float] = {}       # latency probes of this link, op -> seconds
         self._tiny_world = 0                    # the world size they were taken at
         self._cost = {"deciding_s": 0.0, "first_s": 0.0, "first_calls_s": 0.0, "again_s": 0.0,
-                      "checking_s": 0.0, "measured": 0, "rechecked": 0, "shared": 0, "ruled_out": 0}
+                      "loading_s": 0.0, "checking_s": 0.0, "link_s": 0.0, "link_checks": 0, "link_changes": 0,
+                      "measured": 0, "rechecked": 0, "shared": 0, "ruled_out": 0}
         self._active: Method | None = None
+        self._loaded: set[str] = set()          # dtypes whose candidates this process has called
         self.set_nonfinite(self.nonfinite)
 
     # ------------------------------------------------------------- settings
@@ -168,7 +190,8 @@ class Auto(Method):
                 "error_budget": self.error_budget, "dry_runs": self.dry_runs,
                 "probe_repeats": self.probe_repeats, "window": self.window, "band": self.band,
                 "patience": self.patience, "switch_margin": self.switch_margin,
-                "min_numel": self.min_numel}
+                "min_numel": self.min_numel, "link_every": self.link_every,
+                "link_bytes": self.link_bytes}
 
     def set_nonfinite(self, policy: str | None) -> None:
         """The NaN/Inf policy, for ``auto`` and every candidate."""
@@ -222,6 +245,8 @@ class Auto(Method):
                 return to_device_like(self.allreduce(to_host(grad), name, comm), grad)
             self.device_calls["native"] += 1
         self._calls[name] = self._calls.get(name, 0) + 1
+        if name == self._link_bucket and comm.size > 1 and self._link.due(self._calls[name]):
+            self._check_link(comm)
         decision = self._decisions.get(name)
         if decision is None:
             self._decide(grad, name, comm, "first call")
@@ -229,6 +254,8 @@ class Auto(Method):
             self._decide(grad, name, comm, "world size")
         elif decision.numel != grad.size:
             self._decide(grad, name, comm, "new shape")
+        elif name in self._relink:        # the link check: the more specific of the two reasons
+            self._decide(grad, name, comm, "link")
         elif name in self._redecide:
             self._decide(grad, name, comm, "drift")
         inner = self._active = self.candidates[self._decisions[name].chosen]
@@ -264,15 +291,33 @@ class Auto(Method):
                 self._redecide.add(name)
             self._cost["checking_s"] += time.perf_counter() - t0
 
+    def _check_link(self, comm: Any) -> None:
+        """Time the link (:class:`.auto_link.LinkCheck`); on a change, every measured bucket
+        decides again at its next call, with its latency probes taken again."""
+        t0 = time.perf_counter()
+        if self._link.check(comm, min(self.link_bytes, self._link_cap), self._measured):
+            self._relink.update(b for b, d in self._decisions.items() if "min_numel" not in d.reason)
+            self._tiny = {}
+            self._cost["link_changes"] += 1
+            if comm.rank == 0:
+                log.info("auto: the link check took %.3f x its reference for %d checks in a row: "
+                         "every bucket decides again", self._link.ratio(), self.patience)
+            self._link.reset()
+        spent = time.perf_counter() - t0 - self._link.waited    # not the wait for later peers
+        self._cost["checking_s"] += spent
+        self._cost["link_s"] += spent
+        self._cost["link_checks"] += 1
+
     # ------------------------------------------------------------- decisions
     def _decide(self, grad: Any, name: str, comm: Any, reason: str) -> None:
         """Decide for bucket ``name`` (:meth:`_decide_now`), its wall time counted in
         :meth:`decision_cost`."""
         t0 = time.perf_counter()
+        loading = self._cost["loading_s"]
         try:
             self._decide_now(grad, name, comm, reason)
         finally:
-            spent = time.perf_counter() - t0
+            spent = time.perf_counter() - t0 - (self._cost["loading_s"] - loading)
             self._cost["deciding_s"] += spent
             self._cost["first_calls_s" if reason == "first call" else "again_s"] += spent
             if self._cost["first_s"] == 0.0 and self._cost["measured"]:
@@ -293,6 +338,7 @@ class Auto(Method):
             self._calls[name] -= 1          # the call did not happen on any rank
             raise
         self._redecide.discard(name)
+        self._relink.discard(name)
         current = self._decisions.get(name)
         step = self._calls[name]
         x = grad.astype(np.float64 if grad.dtype == np.float64 else np.float32, copy=False)
@@ -307,8 +353,14 @@ class Auto(Method):
             if seq > (current.seq if current is not None else -1):   # measured since: reuse it
                 decision = self._shared_decision(self._history[seq], name, reason, step, current)
             else:
+                self._preload(x, name, comm)
                 decision = self._measured_decision(x, name, comm, reason, step, current)
                 self._by_shape[shape] = len(self._history)
+            self._link_cap = max(self._link_cap, int(x.nbytes))
+            if self._link_bucket is None:
+                self._link_bucket = name
+            if reason == "world size":
+                self._link.reset()          # another P: another reference time
         decision.seq = len(self._history)
         decision.switched = current is None or current.chosen != decision.chosen
         if current is not None and decision.switched:
@@ -325,6 +377,20 @@ class Auto(Method):
                                             self.band, patience)
         if comm.rank == 0:
             log.info(decision.line())
+
+    def _preload(self, x: Any, name: str, comm: Any) -> None:
+        """The process's first measured decision for ``x``'s dtype first calls every candidate
+        once on a small array (:func:`.auto_measure.preload`: loading compiled kernels, imports);
+        its seconds are ``loading_s`` in :meth:`decision_cost`, not part of ``deciding_s``."""
+        if x.dtype.str in self._loaded:
+            return
+        t0 = time.perf_counter()
+        n = min(int(x.size), BOUND_MIN_SLICE)
+        xp = get_array_module(x)
+        small = xp.asarray(np.random.default_rng(self.seed).standard_normal(n), dtype=x.dtype)
+        preload(list(self.candidates.values()), small, f"{name}#load", comm)
+        self._loaded.add(x.dtype.str)
+        self._cost["loading_s"] += time.perf_counter() - t0
 
     def _choice(self, name: str, reason: str, step: int, world_size: int, numel: int,
                 table: dict[str, dict[str, Any]], current: Decision | None) -> Decision:
@@ -432,11 +498,15 @@ class Auto(Method):
     def decision_cost(self) -> dict[str, float]:
         """What deciding has cost this process so far: ``deciding_s`` (wall seconds of the calls
         that decided, less their own exchange: bounds, dry runs, probes, agreement),
-        ``first_s`` (the first decision that measured: it also pays the process's one-off
-        costs, such as loading every candidate's compiled kernels), ``first_calls_s`` (every
+        ``loading_s`` (the process's one-off start-up, apart: every candidate's first call on a
+        small array before the first measured decision, which loads its compiled kernels and
+        imports its modules; not in ``deciding_s``), ``first_s`` (the first decision that
+        measured), ``first_calls_s`` (every
         bucket's first decision) and ``again_s`` (the decisions after a drift, a new world size
-        or a new bucket size; the two add up to ``deciding_s``), ``checking_s`` (the drift
-        windows' agreements), ``measured`` (decisions that measured), ``rechecked`` (drift
+        or a new bucket size, or after a link change; the two add up to ``deciding_s``), ``checking_s`` (the drift
+        windows' agreements and the link checks), ``link_s`` (the link checks' share of it),
+        ``link_checks`` and ``link_changes`` (checks taken, and those that found the link
+        changed), ``measured`` (decisions that measured), ``rechecked`` (drift
         re-checks the slices settled: the method stayed, no dry run on the bucket),
         ``shared`` (decisions that reused a bucket of the same shape's measurement) and
         ``ruled_out`` (candidates the bound spared a dry run on the whole bucket). Timings of
@@ -451,6 +521,8 @@ class Auto(Method):
             "decisions": self.decisions(), "history": self.decision_log(),
             "monitors": {b: m.as_dict() for b, m in self._monitors.items()},
             "redecide": sorted(self._redecide), "calls": dict(self._calls),
+            "relink": sorted(self._relink), "link": self._link.as_dict(),
+            "link_bucket": self._link_bucket, "link_cap": self._link_cap,
             "by_shape": dict(self._by_shape), "tiny": dict(self._tiny), "tiny_world": self._tiny_world,
             "pending": {b: np.array(np.asarray(getattr(v, "get", lambda: v)()), copy=True)
                         for b, v in self._pending.items()},
@@ -472,6 +544,12 @@ class Auto(Method):
         self._history = [Decision.from_dict(d) for d in saved.get("history", [])]
         self._monitors = {b: DriftMonitor(**m) for b, m in saved.get("monitors", {}).items()}
         self._redecide = set(saved.get("redecide", []))
+        self._relink = set(saved.get("relink", []))
+        link = saved.get("link", {})
+        self._link = LinkCheck(self.link_every, self.band, self.patience, int(link.get("nbytes", 0)),
+                               link.get("monitor"))
+        self._link_bucket = saved.get("link_bucket")
+        self._link_cap = int(saved.get("link_cap", 0))
         self._calls = dict(saved.get("calls", {}))
         self._by_shape = dict(saved.get("by_shape", {}))
         self._tiny = dict(saved.get("tiny", {}))
@@ -479,4 +557,5 @@ class Auto(Method):
         self._pending = {b: np.array(v, copy=True) for b, v in saved.get("pending", {}).items()}
 
 
-__all__ = ["Auto", "CARRIED_FEEDBACK", "DEFAULT_CANDIDATES", "DEFAULT_MIN_NUMEL", "DRIFT_BACKOFF"]
+__all__ = ["Auto", "CARRIED_FEEDBACK", "DEFAULT_CANDIDATES", "DEFAULT_LINK_BYTES", "DEFAULT_MIN_NUMEL",
+           "DRIFT_BACKOFF"]

@@ -34,7 +34,7 @@ from .auto_measure import Measurement, MeasureHook, measure_candidates
 BOUND_DIVISOR = 16
 #: Buckets whose slice would hold fewer values than this are dry-run whole: their exchange is
 #: short, and a smaller slice measures mostly latency.
-BOUND_MIN_SLICE = 16384
+BOUND_MIN_SLICE = 8192
 #: A candidate is ruled out when its extrapolated time exceeds this factor times the best one's.
 BOUND_FACTOR = 2.0
 #: Dry runs per candidate on the slice (the first pays the process's one-off costs).

@@ -42,9 +42,10 @@ OPS = ("allreduce", "allgather", "allgatherv", "allgather_object", "alltoall", "
 #: Bytes of the tiny probe's message (the latency term).
 TINY_BYTES = 8
 #: After a decision's first round of dry runs, only candidates within this factor of the
-#: fastest run again (the others cannot win: their first call's one-off costs are small next
-#: to such a gap).
-PRUNE_FACTOR = 3.0
+#: fastest run again (the others cannot win: their first call's one-off costs, the process's
+#: kernels loaded beforehand, are small next to such a gap); when only the fastest is left, no
+#: second round runs (it would refine the winner's own prediction, not the choice).
+PRUNE_FACTOR = 1.5
 #: The error of a measurement taken without a reference (``errors=False``).
 NO_ERROR = -1.0
 #: Timing op of the per-call agreement (a wait for peers, not the method's exchange).
@@ -193,10 +194,28 @@ def throwaway_copy(method: Any) -> Any:
     return clone
 
 
+#: Untimed calls of each method in :func:`preload` (the second runs the error-feedback paths
+#: that a first call from a zero residual does not).
+PRELOAD_CALLS = 2
+
+
+def preload(methods: Sequence[Any], x: Any, name: str, comm: Any) -> None:
+    """:data:`PRELOAD_CALLS` untimed calls of a throw-away copy of each method on ``x`` (a small
+    array of the buckets' dtype and device): the process's one-off costs of each method's first
+    calls -- loading its compiled kernels from Numba's cache, importing the modules it needs,
+    creating shared-memory windows -- paid here once, so no decision's timings carry them."""
+    for method in methods:
+        clone = throwaway_copy(method)
+        for _ in range(PRELOAD_CALLS):
+            comm.barrier()
+            clone.allreduce(x.copy(), name, comm)
+
+
 def relative_error(avg: Any, reference: Any) -> float:
-    """``||avg - reference|| / ||reference||`` in float64 (0 for two zero vectors)."""
-    a = np.asarray(to_host(avg), np.float64).ravel()
-    r = np.asarray(to_host(reference), np.float64).ravel()
+    """``||avg - reference|| / ||reference||`` in the arrays' own precision (a float32 norm is
+    exact to about 1e-7 of the error it measures; 0 for two zero vectors)."""
+    a = np.asarray(to_host(avg)).ravel()
+    r = np.asarray(to_host(reference)).ravel()
     norm = float(np.linalg.norm(r))
     err = float(np.linalg.norm(a - r))
     return err / norm if norm > 0 else (0.0 if err == 0 else float("inf"))
@@ -283,6 +302,8 @@ def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
                 if comm.size > 1 else [measured[i].compress_s + measured[i].mpi_s() for i in running]
             fastest = float(min(first))
             running = [i for i, t in zip(running, first) if t <= prune_factor * fastest]
+            if len(running) < 2:
+                break
     if reference is None:
         dense = [i for i, m in enumerate(methods) if m.name == "none"]
         if dense:
@@ -301,4 +322,4 @@ def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
 
 
 __all__ = ["NO_ERROR", "OPS", "CallClock", "StepClock", "Measurement", "MeasureHook", "OpProbe", "agree", "dry_run",
-           "measure_candidates", "relative_error", "throwaway_copy", "tiny_probes"]
+           "measure_candidates", "preload", "relative_error", "throwaway_copy", "tiny_probes"]

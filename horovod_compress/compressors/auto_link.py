@@ -1,0 +1,108 @@
+"""The link check of ``Compression.auto``: a timed collective of a fixed size, whatever method runs.
+
+The drift windows (:class:`.auto_decide.DriftMonitor`) watch the running
+method's own exchange time. Where that time is mostly compression (a
+sparsifier's selection, or Global-QSGD's pipelined ring hiding the wire
+behind its work), a link that gets ten times faster barely moves it, and a
+candidate that the faster link would now favour (dense, say) is never
+tried. The link check measures the link itself, independently of the method:
+every ``every`` calls of one bucket (the first one ``auto`` measured), all
+ranks run :data:`LINK_REPEATS` dense allreduces of ``nbytes`` bytes back to
+back (a size at which the bandwidth term dominates the latency term on a
+1-10 Gbit link: the Hockney model's ``alpha + L / B`` with ``L / B`` several
+times ``alpha``) and keep the fastest but the first: the first lines the
+ranks up and drains what a traffic shaper lets through at line rate after an
+idle spell (a token bucket's burst: the emulated cluster's is 256 KiB at
+1 Gbit, so an idle link would pass a lone 256 KiB message at 10 Gbit speed),
+and of the others a call that met interference (a rank descheduled on a
+busy machine) is only ever slower. The ranks agree on the largest time (one
+8-byte allreduce), so every rank sees the same number.
+
+The first check after a decision is the reference; a later check whose time,
+divided by the reference, leaves ``[1 / (1 + band), 1 + band]`` is a strike,
+and ``patience`` strikes in a row mean the link changed: every measured bucket
+decides again, with its latency probes taken again. The same rule as the
+drift windows (:class:`.auto_decide.DriftMonitor` with one-sample windows):
+noise inside the band never triggers, one check outside it does not either.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from .auto_decide import DriftMonitor
+from .auto_measure import MeasureHook
+
+#: Allreduces per check, back to back (the first untimed, the fastest of the others counts).
+LINK_REPEATS = 3
+#: The measured kind the link check's seconds pass through ``measure_hook`` as.
+LINK_KIND = "link"
+
+
+def link_seconds(comm: Any, nbytes: int, hook: MeasureHook) -> tuple[float, float]:
+    """(seconds of one dense allreduce of ``nbytes`` bytes: the fastest of :data:`LINK_REPEATS`
+    but the first, after a barrier, through ``hook``, the largest over ranks (identical on every rank); this
+    rank's seconds in the barrier, a wait for later peers that the run pays anyway)."""
+    buf = np.zeros(max(nbytes // 4, 1), np.float32)
+    t_wait = time.perf_counter()
+    comm.barrier()
+    wait = time.perf_counter() - t_wait
+    comm.allreduce(buf)
+    best = float("inf")
+    for _ in range(LINK_REPEATS - 1):
+        t0 = time.perf_counter()
+        comm.allreduce(buf)
+        best = min(best, time.perf_counter() - t0)
+    mine = np.array([hook(LINK_KIND, best, float(buf.nbytes))], np.float64)
+    return (float(comm.allreduce(mine, "max")[0]) if comm.size > 1 else float(mine[0])), wait
+
+
+@dataclass
+class LinkCheck:
+    """When to time the link, and whether it changed since the reference (module docstring)."""
+
+    every: int
+    band: float
+    patience: int
+    nbytes: int = 0                       # the probe's size the reference was taken at
+    monitor: dict[str, Any] | None = None  # a DriftMonitor's fields: its predicted_s is the reference
+    checks: int = 0                       # checks taken since the process started or resumed
+    waited: float = 0.0                   # the last check's wait for peers at its barrier
+
+    def due(self, calls: int) -> bool:
+        """Whether the lead bucket's ``calls``-th call checks the link."""
+        return self.every > 0 and calls % self.every == 0
+
+    def check(self, comm: Any, nbytes: int, hook: MeasureHook) -> bool:
+        """Time the link; ``True`` when ``patience`` checks in a row left the band. The seconds
+        this rank waited for its peers at the check's barrier are in :attr:`waited`."""
+        seconds, self.waited = link_seconds(comm, nbytes, hook)
+        self.checks += 1
+        if self.monitor is None or nbytes != self.nbytes:     # a new reference
+            self.nbytes = nbytes
+            ref = DriftMonitor(max(seconds, 1e-9), 1, self.band, self.patience)
+            ref.close_window(1.0)
+            self.monitor = ref.as_dict()
+            return False
+        monitor = DriftMonitor(**self.monitor)
+        changed = monitor.close_window(seconds / monitor.predicted_s)
+        self.monitor = monitor.as_dict()
+        return changed
+
+    def reset(self) -> None:
+        """Take a new reference at the next check (after the decisions a change triggered)."""
+        self.monitor = None
+
+    def ratio(self) -> float:
+        """The last check's time over the reference's (1 before any check)."""
+        return 1.0 if self.monitor is None else float(self.monitor["last_ratio"])
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as plain values (checkpoints; ``checks`` is this process's count)."""
+        return {k: v for k, v in asdict(self).items() if k not in ("checks", "waited")}
+
+
+__all__ = ["LINK_KIND", "LINK_REPEATS", "LinkCheck", "link_seconds"]

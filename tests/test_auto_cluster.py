@@ -1,0 +1,63 @@
+"""``Compression.auto`` on the emulated cluster: a link re-shaped during the run changes the decision.
+
+Two emulated hosts, one rank each, one bucket of 4 Mi values for 150 calls;
+the links run at 1 Gbit, then 10 Gbit from call 51, then 1 Gbit again from
+call 101 (the driver re-shapes them between two calls while the ranks wait
+at a barrier: :mod:`horovod_compress.tools.bench.auto_link`). At 1 Gbit the
+bucket's dense exchange takes about 130 ms and a compressor pays; at 10 Gbit
+a tenth of that, and the compressors' own work no longer does. Real links,
+real timings: the test asserts the method running 50 calls after each change
+differs from the one running at the change, that a decision taken again
+(reason ``link`` or ``drift``) falls within those 50 calls, and that every rank
+holds the same decision log. Needs root and network namespaces (skipped,
+with the cluster's reason, where they are not allowed).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from horovod_compress.tools.bench.auto_link import CHANGES, START, launch, rank_loop
+from horovod_compress.tools.cluster import ClusterSpec, ClusterUnavailable, EmulatedCluster, preflight
+from horovod_compress.tools.testing import read_case_results, worker_command
+
+#: Calls within which a change of the link must change the decision.
+WITHIN = 50
+
+
+def case_link_reshaped(comm):
+    return rank_loop(comm, Path(os.environ["HVDC_AUTO_LINK_SYNC"]))
+
+
+def _running_at(log: list[dict], call: int) -> str:
+    """The method that ran call ``call``: the last decision taken at or before it."""
+    return [d["chosen"] for d in log if d["step"] <= call][-1]
+
+
+@pytest.mark.timeout(300)
+def test_a_reshaped_link_changes_the_decision(tmp_path):
+    name = f"a{os.getpid() % 100000}"
+    try:
+        preflight(name)
+    except ClusterUnavailable as exc:
+        pytest.skip(f"emulated cluster unavailable here: {exc}")
+    sync, out = tmp_path / "sync", tmp_path / "out"
+    sync.mkdir()
+    out.mkdir()
+    with EmulatedCluster(ClusterSpec(hosts=2, bandwidth=START, name=name)) as cluster:
+        cmd = ["mpirun", "-np", "2", "-x", "HVDC_AUTO_LINK_SYNC",
+               *worker_command(__file__, out, [case_link_reshaped])]
+        assert launch(cluster, cmd, sync, CHANGES, timeout=240) == 0
+    results = read_case_results(out, 2)[case_link_reshaped]
+    log = results[0]["log"]
+    assert all(r["log"] == log for r in results.values()), "the ranks' decision logs differ"
+    summary = [(d["step"], d["chosen"], d["reason"], round(d["predicted_ms"], 1), d["runner_up"],
+                round(d["runner_up_ms"] or 0.0, 1)) for d in log]
+    for change in CHANGES:
+        before, after = _running_at(log, change), _running_at(log, change + WITHIN)
+        assert before != after, f"link changed after call {change}: {before} still ran at call " \
+                                f"{change + WITHIN}; decisions {summary}"
+        again = [d for d in log if change < d["step"] <= change + WITHIN]
+        assert again and again[0]["reason"] in ("link", "drift"), summary
