@@ -15,7 +15,7 @@ import torch
 
 from horovod_compress.tools.bench import tta
 from horovod_compress.tools.bench.tta_task import (MODELS, VAL_EVERY, bits_per_byte, build_gpt, corpus_files,
-                                             parameter_count, read_bytes, stdlib_root, train_batch,
+                                             model_config, parameter_count, read_bytes, stdlib_root, train_batch,
                                              validation_windows)
 from horovod_compress.tools.testing import mpi_env
 
@@ -94,6 +94,31 @@ def test_target_steps_to_target_and_ratios() -> None:
     assert tta.first_at_or_below(runs[0]["curve"], 4.5) == {"step": 8, "time_s": 8, "val_bpb": 4.0}
 
 
+def test_a_dense_seed_on_a_busier_machine_is_said_with_its_speedups_at_the_other_seeds_pace() -> None:
+    runs = [_run("none", 0, [0, 4, 8], [0, 4, 8], [8.0, 5.0, 4.0], 1.0),
+            _run("none", 1, [0, 6, 12], [0, 4, 8], [8.0, 5.0, 3.0], 1.5),    # same 8 steps, 1.5x slower
+            _run("topk", 1, [0, 2, 4], [0, 4, 8], [8.0, 5.0, 3.0], 0.5)]
+    table = tta.rows(runs)
+    note = tta.dense_step_note(table)[1]
+    assert note.startswith("Dense's seconds per step, by seed: seed 0 1.000 s, seed 1 1.500 s (the same work; 1.50x")
+    # topk seed 1 took 4 s: 3x against its own dense (12 s), 2x at seed 0's pace (8 steps x 1 s)
+    assert next(r for r in table if r["method"] == "topk")["speedup_vs_dense"] == pytest.approx(3.0)
+    assert note.endswith("seed 1's speedups would read: topk 2.00x.")
+    assert tta.dense_step_note(tta.rows(runs[:1])) == []                          # one seed: nothing to say
+    calm = tta.dense_step_note(tta.rows([runs[0], dict(runs[1], step_s=1.1)]))[1]
+    assert "busier" not in calm                                                   # within 20%: no warning
+
+
+def test_batch_option_overrides_the_models_batch_only() -> None:
+    assert model_config("gpt") == MODELS["gpt"] and MODELS["gpt"].batch == 1
+    two = model_config("gpt", 2)
+    assert two.batch == 2 and (two.width, two.layers, two.seq) == (MODELS["gpt"].width, MODELS["gpt"].layers,
+                                                                   MODELS["gpt"].seq)
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        model_config("gpt", 0)
+    assert "batch" in tta.RUN_KEY             # runs with another batch are not taken for done
+
+
 def test_unknown_methods_are_skipped_and_dense_comes_first() -> None:
     kept, unknown = tta.known_methods("topk,no_such_method,none")
     assert kept == ["none", "topk"] and unknown == ["no_such_method"]
@@ -101,7 +126,7 @@ def test_unknown_methods_are_skipped_and_dense_comes_first() -> None:
 
 def _cli(out: Path, methods: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "horovod_compress.tools.cli", "bench", "tta", "--no-cluster", "--hosts", "2",
-           "--model", "tiny", "--steps", "4", "--eval-every", "2", "--seeds", "0", "--val-windows", "8",
+           "--model", "tiny", "--batch", "2", "--steps", "4", "--eval-every", "2", "--seeds", "0", "--val-windows", "8",
            "--train-bytes", "200000", "--methods", methods, "--out", str(out), "--timeout", "150"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=mpi_env())
 
@@ -110,7 +135,7 @@ def test_two_ranks_on_shared_memory_resume_a_finished_dense_run(tmp_path: Path) 
     # a finished dense run already in the results (as an interrupted study leaves it): the command
     # trains only topk, against that run's final loss, and keeps the dense record as it was
     dense = {**_run("none", 0, [0.0, 1.0, 2.0], [0, 2, 4], [8.3, 7.9, 7.7], 0.5, bw="shm"),
-             "hosts": 2, "model": "tiny", "dense_steps": 4, "lr": 0.002, "train_s": 2.0, "parameters": 82752,
+             "hosts": 2, "model": "tiny", "batch": 2, "dense_steps": 4, "lr": 0.002, "train_s": 2.0, "parameters": 82752,
              "eval_every": 2, "train_bytes": 200000, "val_bytes": 3_000_000, "files": [1500, 190],
              "threads_per_rank": 1}
     (tmp_path / "time_to_accuracy.json").write_text(json.dumps({"runs": [dense]}))
@@ -120,6 +145,7 @@ def test_two_ranks_on_shared_memory_resume_a_finished_dense_run(tmp_path: Path) 
     assert [r["method"] for r in after["runs"]] == ["none", "topk"] and after["runs"][0] == dense
     topk = after["runs"][1]
     assert topk["world_size"] == 2 and topk["target_bpb"] == 7.7 and topk["files"][1] > 0
+    assert topk["batch"] == 2 and topk["seq"] == MODELS["tiny"].seq            # --batch reached the ranks
     assert topk["steps_run"] <= 6 and topk["curve"][0]["step"] == 0                 # 1.5x dense's budget
     assert all(b["time_s"] > a["time_s"] for a, b in zip(topk["curve"], topk["curve"][1:]))
     assert topk["curve"][0]["val_bpb"] < 8.5                  # an untrained byte model: about 8 bits per byte

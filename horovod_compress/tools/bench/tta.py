@@ -2,7 +2,10 @@
 
 The task (:mod:`.tta_task`): a 6.4M-parameter byte-level GPT on the Python
 standard library's own ``.py`` files (split into training and validation text
-by file), quality = validation loss in bits per byte. For each P in ``--hosts``
+by file), quality = validation loss in bits per byte. Each rank trains on one
+64-byte window per step (``--batch``): on half a CPU core a larger batch makes
+the forward and backward pass, not the link, most of dense's step, where a
+GPU-backed rank would spend milliseconds on it. For each P in ``--hosts``
 the launcher builds an emulated cluster of P hosts (one rank per host, each
 rank its share of the cores, as ``hvdc bench e2e``), and for each bandwidth:
 
@@ -46,13 +49,13 @@ from typing import Any
 
 from .e2e import SHM, RanksDidNotStart, _commit, _stream, split_specs
 from .machine import cpu_model, platform_summary
-from .tta_task import MODELS
+from .tta_task import MODELS, model_config
 
 DEFAULT_METHODS = "none,fp16,topk,oktopk,global_qsgd,arc_topk,powersgd,greedylore,deepreduce,auto"
 #: How many of the fastest methods (besides dense) run every seed.
 FASTEST_RESEEDED = 3
 #: The run's identity in the JSON: a run with the same values is not measured again.
-RUN_KEY = ("method", "seed", "hosts", "bandwidth", "model", "dense_steps", "lr")
+RUN_KEY = ("method", "seed", "hosts", "bandwidth", "model", "batch", "dense_steps", "lr")
 
 
 def register_bench(sub: argparse._SubParsersAction) -> None:
@@ -64,6 +67,8 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated method names (name:{json} sets parameters); names the registry "
                         "does not know are skipped with a note (default: %(default)s)")
     p.add_argument("--model", default="gpt", choices=sorted(MODELS))
+    p.add_argument("--batch", type=int, default=None,
+                   help="64-byte windows per rank and step (default: the model's, 1 for gpt)")
     p.add_argument("--steps", type=int, default=60, help="dense's step budget (default %(default)s)")
     p.add_argument("--max-factor", type=float, default=1.5,
                    help="the other methods stop at this many times dense's steps (default %(default)s)")
@@ -172,7 +177,8 @@ def reason(row: dict[str, Any]) -> str:
 def _worker_command(method: str, seed: int, steps: int, target: float | None, args: argparse.Namespace,
                     json_path: str) -> list[str]:
     cmd = [sys.executable, "-m", "horovod_compress.tools.bench.tta_worker", "--method", method, "--model", args.model,
-           "--steps", str(steps), "--seed", str(seed), "--lr", str(args.lr), "--eval-every", str(args.eval_every),
+           "--batch", str(model_config(args.model, args.batch).batch), "--steps", str(steps),
+           "--seed", str(seed), "--lr", str(args.lr), "--eval-every", str(args.eval_every),
            "--val-windows", str(args.val_windows), "--json", json_path]
     if target is not None:
         cmd += ["--target", repr(target)]
@@ -231,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
 
         def one(method: str, seed: int, p: int, bw: str, launch: Any) -> None:
             key = {"method": method, "seed": seed, "hosts": p, "bandwidth": bw, "model": args.model,
-                   "dense_steps": args.steps, "lr": args.lr}
+                   "batch": model_config(args.model, args.batch).batch, "dense_steps": args.steps,
+                   "lr": args.lr}
             steps = args.steps if method == "none" else max_steps
             if is_done(results["runs"], key):
                 bar.update(steps)
@@ -326,6 +333,28 @@ def spread(table: list[dict[str, Any]], hosts: int, bandwidth: str) -> list[str]
     return lines
 
 
+def dense_step_note(group_rows: list[dict[str, Any]]) -> list[str]:
+    """Dense's seconds per step for each seed of one (P, link): the same work, so a spread between
+    them is the machine's load, and every row of that seed is measured against its seed's dense."""
+    dense = sorted((r["seed"], r["step_s"]) for r in group_rows if r["method"] == "none")
+    if len(dense) < 2:
+        return []
+    steps = [s for _, s in dense]
+    line = ("Dense's seconds per step, by seed: " + ", ".join(f"seed {sd} {st:.3f} s" for sd, st in dense)
+            + f" (the same work; {max(steps) / min(steps):.2f}x apart).")
+    if max(steps) / min(steps) > 1.2:
+        slow = max(dense, key=lambda d: d[1])[0]
+        fast_seed, fast_step = min(dense, key=lambda d: d[1])
+        dense_slow = next(r for r in group_rows if r["method"] == "none" and r["seed"] == slow)
+        again = [f"{r['method']} {dense_slow['steps_to_target'] * fast_step / r['time_to_target_s']:.2f}x"
+                 for r in group_rows if r["seed"] == slow and r["method"] != "none" and r["time_to_target_s"]]
+        line += (f" Seed {slow}'s dense run met a busier machine, and every speedup of seed {slow} is "
+                 f"against it. At seed {fast_seed}'s dense step time ({fast_step:.3f} s) for its "
+                 f"{dense_slow['steps_to_target']} steps, seed {slow}'s speedups would read: "
+                 + (", ".join(again) if again else "none reached") + ".")
+    return ["", line]
+
+
 def render_markdown(results: dict[str, Any], name: str = "time_to_accuracy") -> str:
     runs, table = results["runs"], results.get("rows") or rows(results["runs"])
     first = runs[0] if runs else {}
@@ -334,7 +363,8 @@ def render_markdown(results: dict[str, Any], name: str = "time_to_accuracy") -> 
              f"{results.get('machine', '?')}, with `{results.get('command', 'hvdc bench tta')}`.", ""]
     if first:
         lines += [f"Model `{first['model']}`: {first['parameters'] / 1e6:.2f}M parameters, byte-level (vocabulary "
-                  f"256), trained with Adam (lr {first['lr']}) on {first['train_bytes'] / 1e6:.1f} MB of the "
+                  f"256), trained with Adam (lr {first['lr']}) on {first.get('batch', 4)} window(s) of "
+                  f"{first.get('seq', 64)} bytes per rank and step, from {first['train_bytes'] / 1e6:.1f} MB of the "
                   f"standard library's `.py` files ({first['files'][0]} files) and scored every "
                   f"{first['eval_every']} steps on {first['files'][1]} held-out files ({first['val_bytes'] / 1e6:.1f}"
                   f" MB; split by file). Target = dense's validation loss after its {first['dense_steps']} steps "
@@ -363,7 +393,9 @@ def render_markdown(results: dict[str, Any], name: str = "time_to_accuracy") -> 
                          f"{_fmt(r['steps_ratio'], '.2f')} | {_fmt(r['step_time_ratio'], '.2f')} | "
                          f"{r['final_val_loss']:.3f} | {reason(r)} |")
         fast = [r for r in rr if (r["speedup_vs_dense"] or 0) >= 2.0]
-        lines += ["", f"Methods at least 2x sooner than dense here: {len({r['method'] for r in fast})}."]
+        lines += ["", f"Methods at least 2x sooner than dense here: {len({r['method'] for r in fast})}"
+                  + (" (" + "; ".join(f"{r['method']} seed {r['seed']}" for r in fast) + ")." if fast else ".")]
+        lines += dense_step_note(rr)
         sp = spread(table, hosts, bw)
         if sp:
             lines += ["", "Spread over seeds:", ""] + sp

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import sysconfig
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,10 +50,11 @@ class GPTConfig:
         return 4 * self.width
 
 
-#: ``gpt``: 6.4M parameters (8 blocks of width 256; a 25.8 MB float32 gradient per step);
+#: ``gpt``: 6.4M parameters (8 blocks of width 256; a 25.8 MB float32 gradient per step), one
+#: 64-byte window per rank and step (``hvdc bench tta --batch`` changes it);
 #: ``tiny``: 0.1M parameters, for tests of the benchmark itself.
 MODELS: dict[str, GPTConfig] = {
-    "gpt": GPTConfig(width=256, layers=8, heads=4, seq=64, batch=4),
+    "gpt": GPTConfig(width=256, layers=8, heads=4, seq=64, batch=1),
     "tiny": GPTConfig(width=48, layers=2, heads=2, seq=32, batch=4),
 }
 
@@ -143,6 +144,16 @@ class ByteGPT(nn.Module):
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy in nats per byte."""
         return nn.functional.cross_entropy(self(x).reshape(-1, VOCAB), y.reshape(-1))
+
+
+def model_config(name: str, batch: int | None = None) -> GPTConfig:
+    """``MODELS[name]``, with ``batch`` windows per rank and step when given."""
+    cfg = MODELS[name]
+    if batch is None:
+        return cfg
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    return replace(cfg, batch=batch)
 
 
 def build_gpt(name: str) -> ByteGPT:

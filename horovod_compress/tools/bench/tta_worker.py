@@ -27,8 +27,8 @@ import numpy as np
 
 from .e2e import STARTED_LINE
 from .e2e_worker import run_leaving_traceback
-from .tta_task import (MODELS, bits_per_byte, build_gpt, corpus_files, parameter_count, read_bytes,
-                       train_batch, validation_windows)
+from .tta_task import (MODELS, bits_per_byte, build_gpt, corpus_files, model_config, parameter_count,
+                       read_bytes, train_batch, validation_windows)
 
 
 def parse_method(spec: str) -> tuple[str, dict[str, Any]]:
@@ -53,7 +53,7 @@ def train_to_target(args: argparse.Namespace, comm: Any, progress: Any = None) -
 
     from ...compressors.registry import create
     from ...torch.optimizer import DistributedOptimizer
-    cfg = MODELS[args.model]
+    cfg = model_config(args.model, args.batch)
     train_files, val_files = corpus_files()
     train = read_bytes(train_files, args.train_bytes)
     val = read_bytes(val_files)
@@ -87,7 +87,7 @@ def train_to_target(args: argparse.Namespace, comm: Any, progress: Any = None) -
             reached = step
     opt.close()
     return {"method": args.method, "seed": args.seed, "world_size": comm.size, "model": args.model,
-            "parameters": parameter_count(model), "lr": args.lr, "max_steps": args.steps,
+            "parameters": parameter_count(model), "batch": cfg.batch, "seq": cfg.seq, "lr": args.lr, "max_steps": args.steps,
             "target_bpb": args.target, "eval_every": args.eval_every, "curve": curve,
             "steps_run": step, "train_s": train_s, "step_s": train_s / max(step, 1),
             "final_val_bpb": curve[-1]["val_bpb"], "method_params": method.config(),
@@ -100,6 +100,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="one rank of hvdc bench tta")
     p.add_argument("--method", required=True, help="name or name:{json parameters}")
     p.add_argument("--model", default="gpt", choices=sorted(MODELS))
+    p.add_argument("--batch", type=int, default=None, help="windows per rank and step (default: the model's)")
     p.add_argument("--steps", type=int, required=True, help="most training steps")
     p.add_argument("--target", type=float, default=None, help="stop at this validation bits per byte")
     p.add_argument("--eval-every", type=int, default=5)
