@@ -353,6 +353,11 @@ def measure_method(name: str, params: dict[str, Any], model_name: str | Workload
     if getattr(method, "warmup_steps", 0) and "warmup_steps" not in params:
         # warm-up steps are dense steps (the dense column): measure the method itself
         method = create(name, **{**params, "warmup_steps": 0})
+    for inner in getattr(method, "candidates", {}).values():
+        # auto's candidates too: Ok-Topk's 32 dense warm-up steps would otherwise be every
+        # measured step of an auto that chose it, and its row would time dense
+        if getattr(inner, "warmup_steps", 0):
+            inner.warmup_steps = 0
     workload = model_name if isinstance(model_name, Workload) else named_workload(model_name)
     torch.manual_seed(seed)
     model = workload.model()
