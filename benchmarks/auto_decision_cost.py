@@ -10,10 +10,11 @@ trained for ``STEPS`` steps of SGD with our torch ``DistributedOptimizer`` and
 ``Compression.auto()`` (default candidates), buckets capped at ``BUCKET_BYTES`` so each hidden
 layer is a bucket of its own (same shape: the decision is shared between them). The run's
 wall time is the slowest rank's; ``auto.decision_cost()`` gives the seconds spent deciding
-(bounds, dry runs, probes, agreement), split into every bucket's first decision (the
-process's first one includes its one-off loading of every candidate's compiled kernels) and
-the decisions taken again after a drift, and the drift windows' agreements (each the largest
-over ranks). Prints one markdown section on rank 0.
+(bounds, dry runs, probes, agreement), split into every bucket's first decision and the
+decisions taken again after a drift or a link change; apart from them, the process's one-off
+loading of every candidate's compiled kernels before its first decision, and the drift
+windows' agreements and link checks (each the largest over ranks). Prints one markdown
+section on rank 0.
 """
 from __future__ import annotations
 
@@ -63,8 +64,8 @@ def main() -> None:
     total = time.perf_counter() - t0
     cost = auto.decision_cost()
     mine = np.array([total, cost["deciding_s"], cost["first_calls_s"], cost["again_s"],
-                     cost["checking_s"], cost["loading_s"]], np.float64)
-    run_s, deciding, first, again, checking, loading = comm.allreduce(mine, "max")
+                     cost["checking_s"], cost["loading_s"], cost["link_s"]], np.float64)
+    run_s, deciding, first, again, checking, loading, link = comm.allreduce(mine, "max")
     if comm.rank != 0:
         return
     decisions = auto.decisions()
@@ -79,11 +80,12 @@ def main() -> None:
           f"{BATCH} per rank, {STEPS} SGD steps, one thread per rank; buckets of at most "
           f"{BUCKET_BYTES / 2 ** 20:.2f} MiB. Times are the slowest rank's.\n")
     print(f"| {STEPS:,}-step run (s) | loading kernels, once (s) | / run | first decisions (s) | / run | "
-          "decisions again (s) | drift windows + link checks (s) | deciding + checks / run | "
+          "decisions again (s) | drift windows + link checks (s) | of which link checks (s) | "
+          "deciding + checks / run | "
           "decisions measured | re-checked on slices | shared | candidates ruled out by the bound |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     print(f"| {run_s:.2f} | {loading:.3f} | {100 * loading / run_s:.2f}% | {first:.3f} | "
-          f"{100 * first / run_s:.2f}% | {again:.3f} | {checking:.3f} | "
+          f"{100 * first / run_s:.2f}% | {again:.3f} | {checking:.3f} | {link:.3f} | "
           f"{100 * (deciding + checking) / run_s:.2f}% | {cost['measured']} | {cost['rechecked']} | "
           f"{cost['shared']} | {cost['ruled_out']} |\n")
     reasons = Counter(d["reason"].split(",")[0] for d in auto.decision_log())

@@ -397,12 +397,31 @@ def case_link_noise_inside_the_band(comm):
             "changes": cost["link_changes"]}
 
 
+def case_link_backoff(comm):
+    """A link check that is out of band at every check (each 3x the last) while the bucket's
+    choice never changes: the first change needs 2 checks, and after a change whose decisions
+    kept every method the next needs twice as many (DRIFT_BACKOFF x patience at most)."""
+    base = SyntheticLink(LINK_SLOW)
+    checks = [0]
+
+    def growing(kind: str, seconds: float, nbytes: float) -> float:
+        if kind == "link":
+            checks[0] += 1
+            return base(kind, seconds, nbytes) * 3.0 ** checks[0]
+        return base(kind, seconds, nbytes)
+    method = hvdc.Compression.auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
+                                   measure_hook=growing)
+    for t in range(1, 141):
+        method.allreduce(_grad(comm.rank, t), "b", comm)
+    return {"log": [(d["step"], d["chosen"], d["reason"]) for d in method.decision_log()]}
+
+
 CORE_CASES = [case_all_ranks_choose_the_same, case_crafted_disagreement_yields_one_decision,
               case_drift_redecides_with_hysteresis, case_switch_flushes_the_residual,
               case_error_budget_excludes_a_faster_method,
               case_checkpoint_after_switch_resumes_bit_identical, case_bound_rules_out_and_shapes_share,
               case_drift_recheck_on_slices, case_many_switches_conserve_the_gradient,
-              case_link_change_redecides, case_link_noise_inside_the_band]
+              case_link_change_redecides, case_link_noise_inside_the_band, case_link_backoff]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
@@ -479,6 +498,15 @@ def test_link_change_redecides_within_50_steps(mpi):
 def test_link_noise_inside_the_band_does_not_redecide(mpi):
     out = mpi[case_link_noise_inside_the_band]
     assert all(v == {"decisions": 1, "checks": 10, "changes": 0} for v in out.values()), out
+
+
+def test_link_changes_that_keep_every_method_back_off(mpi):
+    # checks at 10 (reference), 20, 30: a change, the decision keeps Top-k, patience 2 -> 4;
+    # reference at 40, strikes at 50-80: a change at 80 (patience stays 4: DRIFT_BACKOFF x 2);
+    # reference at 90, strikes at 100-130: a change at 130
+    out = mpi[case_link_backoff]
+    assert all(v["log"] == [[1, "topk", "first call"], [30, "topk", "link"], [80, "topk", "link"],
+                            [130, "topk", "link"]] for v in out.values()), out[0]["log"]
 
 
 def test_torch_optimizer_with_auto():

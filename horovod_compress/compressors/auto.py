@@ -167,6 +167,7 @@ class Auto(Method):
         self._link = LinkCheck(self.link_every, self.band, self.patience)
         self._link_bucket: str | None = None    # the bucket whose calls time the link checks
         self._link_cap = 0                      # the largest measured bucket's bytes
+        self._link_kept = True                  # no bucket switched since the last link change
         self._pending: dict[str, np.ndarray] = {}
         self._history: list[Decision] = []
         self._calls: dict[str, int] = {}
@@ -298,6 +299,7 @@ class Auto(Method):
         if self._link.check(comm, min(self.link_bytes, self._link_cap), self._measured):
             self._relink.update(b for b, d in self._decisions.items() if "min_numel" not in d.reason)
             self._tiny = {}
+            self._link_kept = True
             self._cost["link_changes"] += 1
             if comm.rank == 0:
                 log.info("auto: the link check took %.3f x its reference for %d checks in a row: "
@@ -375,12 +377,19 @@ class Auto(Method):
             patience = min(2 * previous.patience, DRIFT_BACKOFF * self.patience)
         self._monitors[name] = DriftMonitor(max(decision.predicted_ms, 0.0) / 1e3, self.window,
                                             self.band, patience)
+        if reason == "link":
+            self._link_kept = self._link_kept and not decision.switched
+            if not self._relink:        # every bucket has decided again after the link change
+                # none switched: the change was noise or did not matter, so the next one needs
+                # twice the checks out of band, up to DRIFT_BACKOFF x the setting
+                self._link.patience = min(2 * self._link.patience, DRIFT_BACKOFF * self.patience) \
+                    if self._link_kept else self.patience
         if comm.rank == 0:
             log.info(decision.line())
 
     def _preload(self, x: Any, name: str, comm: Any) -> None:
         """The process's first measured decision for ``x``'s dtype first calls every candidate
-        once on a small array (:func:`.auto_measure.preload`: loading compiled kernels, imports);
+        twice on a small array (:func:`.auto_measure.preload`: loading compiled kernels, imports);
         its seconds are ``loading_s`` in :meth:`decision_cost`, not part of ``deciding_s``."""
         if x.dtype.str in self._loaded:
             return
@@ -523,6 +532,7 @@ class Auto(Method):
             "redecide": sorted(self._redecide), "calls": dict(self._calls),
             "relink": sorted(self._relink), "link": self._link.as_dict(),
             "link_bucket": self._link_bucket, "link_cap": self._link_cap,
+            "link_kept": self._link_kept,
             "by_shape": dict(self._by_shape), "tiny": dict(self._tiny), "tiny_world": self._tiny_world,
             "pending": {b: np.array(np.asarray(getattr(v, "get", lambda: v)()), copy=True)
                         for b, v in self._pending.items()},
@@ -546,8 +556,9 @@ class Auto(Method):
         self._redecide = set(saved.get("redecide", []))
         self._relink = set(saved.get("relink", []))
         link = saved.get("link", {})
-        self._link = LinkCheck(self.link_every, self.band, self.patience, int(link.get("nbytes", 0)),
-                               link.get("monitor"))
+        self._link = LinkCheck(self.link_every, self.band, int(link.get("patience", self.patience)),
+                               int(link.get("nbytes", 0)), link.get("monitor"))
+        self._link_kept = bool(saved.get("link_kept", True))
         self._link_bucket = saved.get("link_bucket")
         self._link_cap = int(saved.get("link_cap", 0))
         self._calls = dict(saved.get("calls", {}))

@@ -24,6 +24,10 @@ and ``patience`` strikes in a row mean the link changed: every measured bucket
 decides again, with its latency probes taken again. The same rule as the
 drift windows (:class:`.auto_decide.DriftMonitor` with one-sample windows):
 noise inside the band never triggers, one check outside it does not either.
+A change after which no bucket switched method (the check met a loaded
+machine's phases, or the change did not matter) doubles the checks out of
+band the next one needs, up to twice ``patience`` (``Auto`` sets
+:attr:`LinkCheck.patience`; a change that made a bucket switch resets it).
 """
 from __future__ import annotations
 

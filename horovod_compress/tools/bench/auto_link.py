@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 
 from ...compressors.auto import Auto
-from ...mpi_collectives import Communicator
 from ..cluster import ClusterSpec, EmulatedCluster, cluster_env, in_host
 from .report_files import save_figure, write_report
 
@@ -229,6 +228,7 @@ def plot(res: dict[str, Any], path: Path) -> None:
 
 # --------------------------------------------------------------------- entry
 def _worker(args: argparse.Namespace) -> None:
+    from ...mpi_collectives import Communicator     # starts MPI: only in the ranks
     comm = Communicator()
     out = rank_loop(comm, Path(os.environ["HVDC_AUTO_LINK_SYNC"]), numel=args.numel,
                     steps=args.steps, changes=parse_changes(args.changes),
