@@ -91,6 +91,8 @@ def train_to_target(args: argparse.Namespace, comm: Any, progress: Any = None) -
             "target_bpb": args.target, "eval_every": args.eval_every, "curve": curve,
             "steps_run": step, "train_s": train_s, "step_s": train_s / max(step, 1),
             "final_val_bpb": curve[-1]["val_bpb"], "method_params": method.config(),
+            **({"decisions": {b: d["chosen"] for b, d in method.decisions().items()}}
+               if callable(getattr(method, "decisions", None)) else {}),
             "threads_per_rank": torch.get_num_threads(),
             "train_bytes": int(len(train)), "val_bytes": int(len(val)),
             "files": [len(train_files), len(val_files)]}
