@@ -102,8 +102,10 @@ def rank_loop(comm: Any, sync: Path, *, numel: int = NUMEL, steps: int = STEPS,
         t0 = time.perf_counter()
         method.allreduce(grads[t % 2], "bucket", comm)
         call_ms.append(1e3 * (time.perf_counter() - t0))
-    log = [{k: d[k] for k in ("step", "chosen", "reason", "predicted_ms", "runner_up",
-                              "runner_up_ms", "switched")} for d in method.decision_log()]
+    log = [{**{k: d[k] for k in ("step", "chosen", "reason", "predicted_ms", "runner_up",
+                                 "runner_up_ms", "switched")},
+            "predicted_by_candidate": {c: row["predicted_ms"] for c, row in d["candidates"].items()}}
+           for d in method.decision_log()]
     return {"log": log, "call_ms": call_ms, "cost": method.decision_cost(),
             "candidates": list(method.candidates)}
 
