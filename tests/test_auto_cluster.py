@@ -25,8 +25,9 @@ from pathlib import Path
 import pytest
 
 from horovod_compress.tools.bench.auto_link import CHANGES, START, launch, rank_loop
-from horovod_compress.tools.cluster import ClusterSpec, ClusterUnavailable, EmulatedCluster, preflight
+from horovod_compress.tools.cluster import ClusterSpec, EmulatedCluster
 from horovod_compress.tools.testing import read_case_results, worker_command
+from horovod_compress.tools.testing_plugin import cluster_or_skip
 
 #: Calls within which a change of the link must change the decision.
 WITHIN = 50
@@ -44,10 +45,7 @@ def _running_at(log: list[dict], call: int) -> str:
 @pytest.mark.timeout(300)
 def test_a_reshaped_link_changes_the_decision(tmp_path):
     name = f"a{os.getpid() % 100000}"
-    try:
-        preflight(name)
-    except ClusterUnavailable as exc:
-        pytest.skip(f"emulated cluster unavailable here: {exc}")
+    cluster_or_skip(name)
     sync, out = tmp_path / "sync", tmp_path / "out"
     sync.mkdir()
     out.mkdir()

@@ -22,20 +22,13 @@ import pytest
 
 import horovod_compress as hvdc
 
-from horovod_compress.tools.cluster import (ClusterSpec, ClusterUnavailable, EmulatedCluster, namespaces_of,
-                                      parse_rate, preflight)
+from horovod_compress.tools.cluster import ClusterSpec, EmulatedCluster, namespaces_of, parse_rate
 from horovod_compress.cost_model import (Network, OpCount, StepProfile, break_even_bandwidth, fit_link,
                                          predict, speedup)
 from horovod_compress.tools.testing import read_case_results, worker_command
+from horovod_compress.tools.testing_plugin import cluster_or_skip
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _cluster_or_skip(name: str) -> None:
-    try:
-        preflight(name)
-    except ClusterUnavailable as exc:
-        pytest.skip(f"emulated cluster unavailable here: {exc}")
 
 
 # ------------------------------------------------------------------ the model
@@ -264,7 +257,7 @@ def case_topk_across_hosts(comm):
 @pytest.mark.timeout(240)
 def test_compressed_allreduce_across_two_shaped_hosts(tmp_path):
     name = f"t{os.getpid() % 100000}"
-    _cluster_or_skip(name)
+    cluster_or_skip(name)
     spec = ClusterSpec(hosts=2, bandwidth="100mbit", name=name)
     with EmulatedCluster(spec) as cluster:
         assert sorted(namespaces_of(name)) == sorted(spec.namespaces)
@@ -281,7 +274,7 @@ def test_compressed_allreduce_across_two_shaped_hosts(tmp_path):
 @pytest.mark.timeout(120)
 def test_nothing_left_after_a_failure():
     name = f"f{os.getpid() % 100000}"
-    _cluster_or_skip(name)
+    cluster_or_skip(name)
     with pytest.raises(RuntimeError, match="boom"):
         with EmulatedCluster(ClusterSpec(hosts=2, name=name)) as cluster:
             assert cluster.run(["false"]).returncode == 1
@@ -297,7 +290,7 @@ def test_nothing_left_after_a_failure():
 @pytest.mark.timeout(400)
 def test_bench_e2e_writes_its_tables(tmp_path):
     name = f"e{os.getpid() % 100000}"
-    _cluster_or_skip(name)
+    cluster_or_skip(name)
     out = tmp_path / "bench"
     proc = subprocess.run([sys.executable, "-m", "horovod_compress.tools.cli", "bench", "e2e", "--hosts", "2",
                            "--bandwidths", "1gbit", "--model", "tiny", "--methods", "topk,oktopk",
@@ -416,7 +409,7 @@ def test_communicator_times_mpi_calls():
 def test_nothing_left_after_an_interrupt(signame):
     import signal
     name = f"i{os.getpid() % 100000}{signame[3].lower()}"
-    _cluster_or_skip(name)
+    cluster_or_skip(name)
     # a shell's background job (`pytest ... &`) starts with SIGINT ignored, which children
     # inherit; the script restores Python's handler so that it sees the Ctrl-C a terminal sends
     script = (f"import signal; signal.signal(signal.SIGINT, signal.default_int_handler)\n"
@@ -440,7 +433,7 @@ def test_nothing_left_after_an_interrupt(signame):
 def test_up_refuses_to_rebuild_a_cluster_in_use():
     from horovod_compress.tools.cluster import ClusterError, up
     name = f"u{os.getpid() % 100000}"
-    _cluster_or_skip(name)
+    cluster_or_skip(name)
     with EmulatedCluster(ClusterSpec(hosts=2, name=name, bandwidth="1gbit")) as cluster:
         job = subprocess.Popen(["ip", "netns", "exec", cluster.spec.host(1), "sleep", "30"])
         try:

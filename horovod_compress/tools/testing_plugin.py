@@ -12,7 +12,8 @@ reads it; a case that no test reads would fail silently. This plugin closes that
   no test read (0 in a healthy run; non-zero ones also failed a test above).
 
 ``tests/conftest.py`` imports both; another suite can load the plugin with
-``-p horovod_compress.tools.testing_plugin``.
+``-p horovod_compress.tools.testing_plugin``. :func:`cluster_or_skip` is the skip every test
+of the emulated cluster starts with.
 """
 from __future__ import annotations
 
@@ -22,7 +23,17 @@ from typing import Any
 
 import pytest
 
+from .cluster import ClusterUnavailable, preflight
 from .testing import CASE_LEDGER, CaseResults, horovod_build_skipped
+
+
+def cluster_or_skip(name: str) -> None:
+    """Skip the calling test, with the reason :func:`~horovod_compress.tools.cluster.preflight`
+    gives, where network namespaces or ``tc`` shaping are not available (no root, no iproute2)."""
+    try:
+        preflight(name)
+    except ClusterUnavailable as exc:
+        pytest.skip(f"emulated cluster unavailable here: {exc}")
 
 
 def unread_failure_report(results: list[CaseResults]) -> str:

@@ -177,7 +177,7 @@ def reason(row: dict[str, Any]) -> str:
 def _worker_command(method: str, seed: int, steps: int, target: float | None, args: argparse.Namespace,
                     json_path: str) -> list[str]:
     cmd = [sys.executable, "-m", "horovod_compress.tools.bench.tta_worker", "--method", method, "--model", args.model,
-           "--batch", str(model_config(args.model, args.batch).batch), "--steps", str(steps),
+           "--batch", str(args.batch), "--steps", str(steps),
            "--seed", str(seed), "--lr", str(args.lr), "--eval-every", str(args.eval_every),
            "--val-windows", str(args.val_windows), "--json", json_path]
     if target is not None:
@@ -203,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
     from ..testing import mpi_env, mpirun_command
     if args.steps < 1 or args.max_factor < 1 or args.eval_every < 1:
         raise ValueError("--steps and --eval-every must be >= 1 and --max-factor >= 1")
+    args.batch = model_config(args.model, args.batch).batch     # the model's when not given
     methods, unknown = known_methods(args.methods)
     if unknown:
         print(f"[tta] skipping methods the registry does not know: {', '.join(unknown)}", file=sys.stderr)
@@ -237,7 +238,7 @@ def run(args: argparse.Namespace) -> int:
 
         def one(method: str, seed: int, p: int, bw: str, launch: Any) -> None:
             key = {"method": method, "seed": seed, "hosts": p, "bandwidth": bw, "model": args.model,
-                   "batch": model_config(args.model, args.batch).batch, "dense_steps": args.steps,
+                   "batch": args.batch, "dense_steps": args.steps,
                    "lr": args.lr}
             steps = args.steps if method == "none" else max_steps
             if is_done(results["runs"], key):
