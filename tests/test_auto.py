@@ -24,7 +24,8 @@ import pytest
 import horovod_compress as hvdc
 from horovod_compress.compressors import auto_measure
 from horovod_compress.compressors.auto import DEFAULT_CANDIDATES, Auto
-from horovod_compress.compressors.auto_decide import DriftMonitor, choose, predict_exchange
+from horovod_compress.compressors.auto_decide import (BIASED_STEPS_FACTOR, DriftMonitor, choose,
+                                                      predict_exchange, steps_factor)
 from horovod_compress.compressors.auto_measure import Measurement, OpProbe
 from horovod_compress.compressors.registry import as_method
 from horovod_compress.tools.testing import gather_float64, run_cases, same_on_all_ranks
@@ -134,10 +135,12 @@ def _run_steps(method, comm, link, steps, rate_at, name="b"):
 def case_drift_redecides_with_hysteresis(comm):
     """Fast link (dense), a one-window blip (no decision), a sustained slow link (a new decision
     within two windows: Top-k), back to fast (a new decision that keeps Top-k: dense is faster
-    there, by 50%, but not by the switch margin of 60%)."""
+    there, by 50%, but not by the switch margin of 60%). Exchange time alone (Top-k's steps
+    factor 1): the windows' mechanics, not the weighing."""
     link = SyntheticLink()
     method = hvdc.Compression.auto(candidates=["none", "topk"], window=5, patience=2, band=0.5,
                                    switch_margin=0.6, dry_runs=2, probe_repeats=1, measure_hook=link,
+                                   steps_factors={"topk": 1.0},
                                    link_every=0)      # the windows alone (the link check: below)
 
     def rate(t: int) -> float:
@@ -546,6 +549,29 @@ def test_choose_budget_tie_and_margin():
     # a budget nobody meets: the least error, and nobody eligible
     chosen, _, ok = choose(labels, [3.0, 2.0, 1.0], [0.5, 0.2, 0.9], 0.01)
     assert chosen == "fp16" and ok == [False, False, False]
+
+
+def test_steps_factor_weighs_the_exchange_by_the_steps_a_method_needs():
+    """Time to a loss = steps x step time: a method that needs 1.5x dense's steps is chosen only
+    when its exchange is more than 1.5x faster (Top-k 1.3x faster loses to dense, 2x faster wins);
+    the margin compares weighed predictions too."""
+    labels = ["none", "topk"]
+    assert choose(labels, [1.3, 1.0], [0, 0.9], None, factors=[1.0, 1.5])[:2] == ("none", "topk")
+    assert choose(labels, [2.0, 1.0], [0, 0.9], None, factors=[1.0, 1.5])[0] == "topk"
+    assert choose(labels, [1.3, 1.0], [0, 0.9], None)[0] == "topk"            # time alone
+    # running Top-k, dense weighed 1.0 against Top-k's 1.2: better by 17%, past a 10% margin
+    assert choose(labels, [1.0, 0.8], [0, 0.9], None, "topk", 0.1, [1.0, 1.5])[0] == "none"
+    auto = hvdc.Compression.auto()
+    assert auto.steps_factors == {"none": 1.0, "fp16": 1.0, "global_qsgd": 1.2, "topk": 1.5,
+                                  "gaussiank": 1.5, "oktopk": 1.5}
+    assert steps_factor(hvdc.Compression.randk()) == BIASED_STEPS_FACTOR      # EF: as sparsifiers
+    assert steps_factor(hvdc.Compression.topk(), {"topk": 1.1}) == 1.1
+    own = hvdc.Compression.auto(candidates=["none", "topk"], steps_factors={"topk": 1.0})
+    assert own.steps_factors == {"none": 1.0, "topk": 1.0}
+    assert "steps_factors" in own.config()
+    for bad, words in [({"powersgd": 1.2}, "not candidates"), ({"topk": 0.5}, "steps_factors")]:
+        with pytest.raises(ValueError, match=words):
+            hvdc.Compression.auto(candidates=["none", "topk"], steps_factors=bad)
 
 
 def test_drift_monitor_reference_band_and_patience():

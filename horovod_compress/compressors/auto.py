@@ -16,9 +16,11 @@ algorithm chosen by the user. ``auto`` measures and chooses:
    against the exact average (:mod:`.auto_measure`). A tiny
    probe of each collective gives the latency term. The ranks agree on the
    numbers (their maximum over ranks), so all take the same decision.
-2. The alpha-beta model prices every candidate; the fastest whose error is
-   within ``error_budget`` runs the bucket from this call on
-   (:mod:`.auto_decide`). Dense (``none``) and ``fp16`` are candidates, so
+2. The alpha-beta model prices every candidate; the one whose exchange time
+   times its steps factor (how many times dense's steps it needs to the same
+   loss, measured in the project's time-to-accuracy study; ``steps_factors``)
+   is smallest, among those whose error is within ``error_budget``, runs the
+   bucket from this call on (:mod:`.auto_decide`). Dense (``none``) and ``fp16`` are candidates, so
    when no compressor pays, one of them is chosen.
 3. Each real step's exchange time is compared with the prediction over
    windows of ``window`` steps; ``patience`` windows in a row outside the
@@ -51,7 +53,7 @@ from ..params import check_float, check_int
 from ..mpi_collectives import world as _world
 from ..mpi_collectives.consistency import TensorMismatchError
 from .auto_bound import BOUND_MIN_SLICE, bound_candidates
-from .auto_decide import Decision, DriftMonitor, choose, predict_exchange
+from .auto_decide import Decision, DriftMonitor, choose, predict_exchange, steps_factor
 from .auto_link import LinkCheck
 from .auto_measure import NO_ERROR, CallClock, MeasureHook, StepClock, measure_candidates, preload
 from .base import Method, TensorState
@@ -106,12 +108,16 @@ def _candidate(item: Any, seed: int) -> Method:
 
 @register
 class Auto(Method):
-    """Chooses, per bucket, the fastest candidate on the measured link (see the module docstring).
+    """Chooses, per bucket, the candidate whose measured exchange, weighed by the steps it needs to
+    dense's loss, is shortest on the measured link (see the module docstring).
 
     Parameters
     ----------
     candidates: method names, ``Compression.<name>`` factories or methods (flat ones, each
         once); default :data:`DEFAULT_CANDIDATES`. The first listed wins a tie.
+    steps_factors: ``{method name: factor}`` overriding :data:`.auto_decide.STEPS_FACTORS`, how
+        many times dense's steps a candidate needs to the same loss (at least 1); its exchange
+        time is weighed by it. ``{name: 1.0 for each}`` ranks by exchange time alone.
     error_budget: the largest relative compression error ``||avg_c - avg|| / ||avg||`` a
         candidate may show on the bucket (measured at each decision) to be chosen; ``None``:
         no limit (each default candidate is an accepted method at its paper's defaults).
@@ -134,6 +140,7 @@ class Auto(Method):
     layout = "flat"
 
     def __init__(self, *, candidates: Sequence[Any] | None = None, error_budget: float | None = None,
+                 steps_factors: dict[str, float] | None = None,
                  dry_runs: int = 2, probe_repeats: int = 3, window: int = 10, band: float = 1.0,
                  patience: int = 2, switch_margin: float = 0.1, min_numel: int = DEFAULT_MIN_NUMEL,
                  link_every: int = 10, link_bytes: int = DEFAULT_LINK_BYTES,
@@ -147,6 +154,14 @@ class Auto(Method):
         if len(set(labels)) != len(labels):
             raise ValueError(f"auto: list each method once in candidates, got {labels}")
         self.candidates: dict[str, Method] = dict(zip(labels, methods))
+        overrides = dict(steps_factors or {})
+        unknown = sorted(set(overrides) - set(labels))
+        if unknown:
+            raise ValueError(f"auto: steps_factors names {unknown}, which are not candidates {labels}")
+        for lb, f in overrides.items():
+            overrides[lb] = check_float(self.name, f"steps_factors[{lb!r}]", f, 1.0, None)
+        self.steps_factors: dict[str, float] = {lb: steps_factor(m, overrides)
+                                                for lb, m in self.candidates.items()}
         self.error_budget = None if error_budget is None else \
             check_float(self.name, "error_budget", error_budget, 0.0, None)
         self.dry_runs = check_int(self.name, "dry_runs", dry_runs, 1, 100)
@@ -188,7 +203,8 @@ class Auto(Method):
 
     def params(self) -> dict[str, Any]:
         return {"candidates": tuple(repr(m) for m in self.candidates.values()),
-                "error_budget": self.error_budget, "dry_runs": self.dry_runs,
+                "error_budget": self.error_budget,
+                "steps_factors": tuple(sorted(self.steps_factors.items())), "dry_runs": self.dry_runs,
                 "probe_repeats": self.probe_repeats, "window": self.window, "band": self.band,
                 "patience": self.patience, "switch_margin": self.switch_margin,
                 "min_numel": self.min_numel, "link_every": self.link_every,
@@ -405,11 +421,14 @@ class Auto(Method):
                 table: dict[str, dict[str, Any]], current: Decision | None) -> Decision:
         """The decision the rule of :func:`choose` takes on a table of predictions and errors."""
         labels = list(table)
+        factors = [self.steps_factors.get(lb, 1.0) for lb in labels]
         chosen, runner, eligible = choose(labels, [table[lb]["predicted_ms"] for lb in labels],
                                           [table[lb]["error"] for lb in labels], self.error_budget,
-                                          current.chosen if current else None, self.switch_margin)
-        for lb, ok in zip(labels, eligible):
+                                          current.chosen if current else None, self.switch_margin,
+                                          factors)
+        for lb, ok, f in zip(labels, eligible, factors):
             table[lb]["eligible"] = ok
+            table[lb]["steps_factor"] = f
         return Decision(name, chosen, table[chosen]["predicted_ms"], table[chosen]["measured_ms"],
                         runner, table[runner]["predicted_ms"] if runner else None, reason, step,
                         world_size, numel, table)
@@ -423,15 +442,17 @@ class Auto(Method):
         methods = list(self.candidates.values())
         keep, sliced, scale, bounds = bound_candidates(labels, methods, x, name, comm,
                                                        probe_repeats=self.probe_repeats,
-                                                       hook=self._measured, tiny_cache=self._tiny)
+                                                       hook=self._measured, tiny_cache=self._tiny,
+                                                       factors=[self.steps_factors[lb] for lb in labels])
         if reason == "drift" and sliced is not None and current is not None \
                 and current.chosen in labels:
             cur = labels.index(current.chosen)
-            if min(bounds) >= bounds[cur] * (1.0 - self.switch_margin):
+            weighed = [b * self.steps_factors.get(lb, 1.0) for b, lb in zip(bounds, labels)]
+            if min(weighed) >= weighed[cur] * (1.0 - self.switch_margin):
                 return self._rechecked_decision(name, reason, step, comm, int(x.size), current,
                                                 labels, sliced, scale)
             # a challenger: only it and the running method are dry-run on the bucket
-            keep = sorted({cur, min(range(len(bounds)), key=lambda i: (bounds[i], i))})
+            keep = sorted({cur, min(range(len(weighed)), key=lambda i: (weighed[i], i))})
         full = measure_candidates([methods[i] for i in keep], x, name, comm, dry_runs=self.dry_runs,
                                   probe_repeats=self.probe_repeats, hook=self._measured,
                                   tiny_cache=self._tiny,
@@ -469,8 +490,9 @@ class Auto(Method):
         ok = [self.error_budget is None or table[lb]["error"] <= self.error_budget for lb in labels]
         for lb, eligible in zip(labels, ok):
             table[lb]["eligible"] = eligible
-        others = sorted((table[lb]["predicted_ms"], i) for i, lb in enumerate(labels)
-                        if lb != current.chosen and ok[i])
+            table[lb]["steps_factor"] = self.steps_factors.get(lb, 1.0)
+        others = sorted((table[lb]["predicted_ms"] * table[lb]["steps_factor"], i)
+                        for i, lb in enumerate(labels) if lb != current.chosen and ok[i])
         runner = labels[others[0][1]] if others else None
         return Decision(name, current.chosen, now_ms, now_ms, runner,
                         table[runner]["predicted_ms"] if runner else None, f"{reason}, re-checked",

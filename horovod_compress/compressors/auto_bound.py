@@ -14,8 +14,9 @@ and the model extrapolates the fastest call to the whole bucket:
     T_bound(c) = scale * T_compress(c, slice)
                  + sum_op calls_op * (rounds_op(P) * alpha_op + scale * L_op / (eta_op * B))
 
-A candidate whose extrapolated ``T_bound`` exceeds :data:`BOUND_FACTOR`
-times the smallest one is ruled out: it keeps the slice measurement (its
+A candidate whose extrapolated ``T_bound``, times its steps factor (the
+weight the choice gives it, :mod:`.auto_decide`), exceeds :data:`BOUND_FACTOR`
+times the smallest such product is ruled out: it keeps the slice measurement (its
 decision row says so) and is not dry-run on the bucket. The extrapolation
 errs on the side of keeping candidates: at a slice's message sizes the
 latency term, which does not grow, is a larger share of every time, so the
@@ -49,7 +50,8 @@ def slice_numel(numel: int) -> int:
 
 def bound_candidates(labels: Sequence[str], methods: Sequence[Any], x: Any, name: str, comm: Any, *,
                      probe_repeats: int, hook: MeasureHook,
-                     tiny_cache: dict[str, float] | None = None
+                     tiny_cache: dict[str, float] | None = None,
+                     factors: Sequence[float] | None = None
                      ) -> tuple[list[int], list[Measurement] | None, float, list[float]]:
     """(indices of the candidates to dry-run on the whole bucket, every candidate's agreed
     measurement on the slice, the slice's ``scale``, every candidate's extrapolated seconds),
@@ -58,6 +60,8 @@ def bound_candidates(labels: Sequence[str], methods: Sequence[Any], x: Any, name
     Where the bucket is too small for a slice (:func:`slice_numel`) every candidate is kept
     and there are no slice measurements (``None``, scale 1, no bounds). The slice measurements carry
     each candidate's relative error on the slice, against the dense candidate's average there.
+    ``factors``: each candidate's steps factor (1 for all when not given); ``bounds`` are returned
+    unweighed.
     """
     flat = x.reshape(-1)
     s = slice_numel(int(flat.size))
@@ -68,8 +72,9 @@ def bound_candidates(labels: Sequence[str], methods: Sequence[Any], x: Any, name
                                 probe_repeats=probe_repeats, hook=hook, prune_factor=None,
                                 tiny_cache=tiny_cache)
     bounds = [predict_exchange(lb, m, comm.size, scale) for lb, m in zip(labels, sliced)]
-    best = min(bounds)
-    return [i for i, t in enumerate(bounds) if t <= BOUND_FACTOR * best], sliced, scale, bounds
+    weighed = [t * (1.0 if factors is None else factors[i]) for i, t in enumerate(bounds)]
+    best = min(weighed)
+    return [i for i, t in enumerate(weighed) if t <= BOUND_FACTOR * best], sliced, scale, bounds
 
 
 __all__ = ["BOUND_DIVISOR", "BOUND_DRY_RUNS", "BOUND_FACTOR", "BOUND_MIN_SLICE", "bound_candidates",

@@ -15,10 +15,18 @@ bucket's own message size ``L_op`` (:func:`cost_model.fit_link`), and
 ``T_compress`` the dry run's time outside MPI.
 
 **Choice.** Among the candidates whose measured relative compression error
-is within the budget (all of them without one), the smallest ``T``; the
-candidate listed first wins a tie. A bucket that already has a method keeps
-it unless the best is faster by more than ``switch_margin`` (a fraction of
-the current one's prediction): the first half of the hysteresis.
+is within the budget (all of them without one), the smallest ``s_c * T``;
+the candidate listed first wins a tie. ``s_c`` is the candidate's **steps
+factor**: how many times dense's steps it needs to reach the same loss
+(:data:`STEPS_FACTORS`, measured in the project's time-to-accuracy study,
+``benchmarks/time_to_accuracy.md``). Time to a given loss is steps times
+step time, so a method whose step is faster but that needs ``s_c`` times
+the steps pays only when its exchange is more than ``s_c`` times faster.
+Weighing the bucket's exchange alone (not the whole step, which the
+extra steps also repeat) under-weighs the extra steps, so the factor
+errs towards the faster exchange. A bucket that already has a method keeps
+it unless the best is better by more than ``switch_margin`` (a fraction of
+the current one's weighed prediction): the first half of the hysteresis.
 
 **Drift.** After a decision, every real step's exchange time (outside the
 agreement's wait) is divided by the prediction; at the end of a window of
@@ -37,6 +45,31 @@ from typing import Any, Sequence
 
 from ..cost_model import OpCount, StepProfile, fit_link, predict
 from .auto_measure import TINY_BYTES, Measurement
+
+#: Steps to the same loss as dense, per method (the steps factor of the module docstring), from
+#: the time-to-accuracy study (byte-level GPT, Adam, P = 4; ``benchmarks/time_to_accuracy.md``,
+#: steps to dense's final validation loss over dense's steps) for the flat methods a candidate
+#: can be: fp16 1.00, Global-QSGD 1.13 and 1.20 (QSGD, its per-bucket-norm form, taken alike),
+#: Ok-Topk 1.47 (with its 32 dense warm-up steps); TopkA and DeepReduce did not reach it within
+#: 1.5x dense's steps, so 1.5 is a lower bound there. Methods not listed take
+#: :data:`BIASED_STEPS_FACTOR` when they run with error feedback, as the sparsifiers measured.
+STEPS_FACTORS = {"none": 1.0, "fp16": 1.0, "bf16": 1.0, "global_qsgd": 1.2, "qsgd": 1.2,
+                 "oktopk": 1.5, "topk": 1.5, "deepreduce": 1.5}
+#: The steps factor of a method the table does not list: biased ones (those run with error
+#: feedback) as the sparsifiers measured, the others as dense.
+BIASED_STEPS_FACTOR = 1.5
+
+
+def steps_factor(method: Any, overrides: dict[str, float] | None = None) -> float:
+    """``method``'s steps factor: ``overrides`` first, then :data:`STEPS_FACTORS`, then
+    :data:`BIASED_STEPS_FACTOR` for a method with error feedback and 1.0 for one without."""
+    name = method.name
+    if overrides and name in overrides:
+        return float(overrides[name])
+    if name in STEPS_FACTORS:
+        return STEPS_FACTORS[name]
+    return BIASED_STEPS_FACTOR if method.feedback.name != "none" else 1.0
+
 
 #: The link rate the fit is expressed against; each op's fitted efficiency carries its real rate,
 #: so the nominal value cancels out of every prediction.
@@ -97,33 +130,39 @@ class Decision:
 
     def line(self) -> str:
         """The one log line of this decision."""
-        runner = (f"runner-up {self.runner_up} {self.runner_up_ms:.2f} ms" if self.runner_up
-                  else "no runner-up")
+        def steps(label: str) -> str:
+            f = self.candidates.get(label, {}).get("steps_factor", 1.0)
+            return f" x{f:g} steps" if f != 1.0 else ""
+        runner = (f"runner-up {self.runner_up} {self.runner_up_ms:.2f} ms{steps(self.runner_up)}"
+                  if self.runner_up else "no runner-up")
         kept = "" if self.switched else " (kept: the best was not faster by the switch margin)"
         shared = f", as bucket {self.shared_with!r}" if self.shared_with else ""
         return (f"auto: bucket {self.bucket!r} ({self.numel} values, P={self.world_size}, "
-                f"{self.reason}{shared}, call {self.step}): {self.chosen} predicted {self.predicted_ms:.2f} ms, "
+                f"{self.reason}{shared}, call {self.step}): {self.chosen} predicted {self.predicted_ms:.2f} ms"
+                f"{steps(self.chosen)}, "
                 f"measured {self.measured_ms:.2f} ms; {runner}{kept}")
 
 
 def choose(labels: Sequence[str], predicted: Sequence[float], errors: Sequence[float],
            error_budget: float | None, current: str | None = None,
-           switch_margin: float = 0.0) -> tuple[str, str | None, list[bool]]:
+           switch_margin: float = 0.0, factors: Sequence[float] | None = None
+           ) -> tuple[str, str | None, list[bool]]:
     """(chosen, runner-up, eligible per candidate) by the rule of the module docstring.
 
-    With an error budget that no candidate meets, the one with the least error
-    is chosen (the budget cannot be honoured; the decision says so through
-    ``eligible``).
+    ``factors``: each candidate's steps factor (1 for all when not given); the ranking is by
+    ``factor * predicted``. With an error budget that no candidate meets, the one with the least
+    error is chosen (the budget cannot be honoured; the decision says so through ``eligible``).
     """
+    weighed = list(predicted) if factors is None else [p * f for p, f in zip(predicted, factors)]
     eligible = [error_budget is None or e <= error_budget for e in errors]
     pool = [i for i, ok in enumerate(eligible) if ok]
     if not pool:
         pool = [min(range(len(labels)), key=lambda i: (errors[i], i))]
-    ranked = sorted(pool, key=lambda i: (predicted[i], i))
+    ranked = sorted(pool, key=lambda i: (weighed[i], i))
     best = ranked[0]
     if current is not None and current in labels:
         cur = labels.index(current)
-        if cur in pool and predicted[best] >= predicted[cur] * (1.0 - switch_margin):
+        if cur in pool and weighed[best] >= weighed[cur] * (1.0 - switch_margin):
             best = cur
     others = [i for i in ranked if i != best]
     return labels[best], (labels[others[0]] if others else None), eligible
@@ -177,4 +216,5 @@ class DriftMonitor:
         return asdict(self)
 
 
-__all__ = ["Decision", "DriftMonitor", "NOMINAL_BITS_PER_S", "choose", "predict_exchange"]
+__all__ = ["BIASED_STEPS_FACTOR", "Decision", "DriftMonitor", "NOMINAL_BITS_PER_S", "STEPS_FACTORS", "choose",
+           "predict_exchange", "steps_factor"]

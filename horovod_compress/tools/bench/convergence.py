@@ -163,7 +163,10 @@ def train_once(task: str, cfg: dict[str, Any], seed: int, comm: Any, epochs: int
             "num_params": num_params, "test_accuracy": acc,
             "train_loss": final_loss if math.isfinite(final_loss) else None,
             "bytes_sent_per_step": sent, "dense_bytes_per_step": dense_bytes_per_step(num_params, comm.size),
-            "seconds_per_step": wall / steps, "wall_seconds": wall, "config": method.config()}
+            "seconds_per_step": wall / steps, "wall_seconds": wall, "config": method.config(),
+            **({"decisions": [{k: d[k] for k in ("bucket", "step", "reason", "chosen", "switched")}
+                              for d in method.decision_log()]}
+               if callable(getattr(method, "decision_log", None)) else {})}
 
 
 def _key(r: dict[str, Any]) -> tuple:
