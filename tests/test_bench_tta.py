@@ -147,6 +147,7 @@ def test_two_ranks_on_shared_memory_resume_a_finished_dense_run(tmp_path: Path) 
     assert topk["world_size"] == 2 and topk["target_bpb"] == 7.7 and topk["files"][1] > 0
     assert topk["batch"] == 2 and topk["seq"] == MODELS["tiny"].seq            # --batch reached the ranks
     assert topk["steps_run"] <= 6 and topk["curve"][0]["step"] == 0                 # 1.5x dense's budget
+    assert 0 < topk["loading_s"] < 60                 # its kernels loaded before the clock, timed apart
     assert all(b["time_s"] > a["time_s"] for a, b in zip(topk["curve"], topk["curve"][1:]))
     assert topk["curve"][0]["val_bpb"] < 8.5                  # an untrained byte model: about 8 bits per byte
     reached = min(c["val_bpb"] for c in topk["curve"]) <= 7.7

@@ -17,8 +17,9 @@ rank its share of the cores, as ``hvdc bench e2e``), and for each bandwidth:
 3. the three methods that reached the target soonest, and dense, run again
    for every further seed of ``--seeds``.
 
-Time to target = wall-clock seconds of training steps (evaluation excluded)
-until the first evaluation at or below the target; speedup = dense's time to
+Time to target = wall-clock seconds of training steps (evaluation, and the
+one-off loading of the method's compiled kernels before the first step,
+excluded) until the first evaluation at or below the target; speedup = dense's time to
 its target / the method's (same seed, P and link). The convergence cost is
 the steps ratio (method's steps to target / dense's), shown beside the
 step-time ratio (method's seconds per step / dense's): speedup = 1 /
@@ -371,10 +372,15 @@ def render_markdown(results: dict[str, Any], name: str = "time_to_accuracy") -> 
                   f" MB; split by file). Target = dense's validation loss after its {first['dense_steps']} steps "
                   f"(same seed); the other methods stop at the target or at "
                   f"{results.get('max_factor', 1.5):g}x dense's steps. Time = wall-clock time of the training "
-                  f"steps, evaluation excluded, with {first.get('threads_per_rank', '?')} thread(s) per rank. "
+                  f"steps, evaluation and kernel loading excluded, with {first.get('threads_per_rank', '?')} thread(s) per rank. "
                   f"Speedup = dense's time to target / the method's; steps ratio and step-time ratio are the "
                   f"method's against dense's, and speedup = 1 / (steps ratio x step-time ratio) up to the "
                   f"evaluation grid.", ""]
+    loading = [r["loading_s"] for r in runs if "loading_s" in r]
+    if loading:
+        lines += [f"Before its first step each run loads its method's compiled kernels (two untimed calls on a "
+                  f"small array; every candidate's for `auto`): {min(loading):.2f} to {max(loading):.2f} s, "
+                  f"left out of the time as a process's one-off start-up.", ""]
     loads = [r["load_avg"] for r in runs if "load_avg" in r]
     if loads:
         lines += [f"Load average (1 min) of the machine after each run: {min(loads):.1f} to {max(loads):.1f}"

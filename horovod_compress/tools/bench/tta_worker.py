@@ -10,7 +10,8 @@ an allreduce) in bits per byte.
 
 Training time is wall-clock time of the training steps only: each stretch of
 steps between two evaluations starts and ends at a barrier, so it is the time
-of the slowest rank, and evaluation is left out. The run stops at the first
+of the slowest rank, and evaluation is left out, as is loading the method's
+compiled kernels before the first step (:func:`load_kernels`, reported apart). The run stops at the first
 evaluation at or below ``--target`` (when given) or after ``--steps`` steps.
 Rank 0 prints ``HVDC-PROGRESS`` once per step for the launcher's progress bar
 and writes the curve as JSON.
@@ -46,6 +47,24 @@ def evaluate(model: Any, comm: Any, x: Any, y: Any) -> float:
     return bits_per_byte(total[0] / total[1])
 
 
+def load_kernels(method: Any, comm: Any) -> float:
+    """Seconds to load ``method``'s compiled kernels before the clock starts (every candidate's, for
+    ``auto``): two untimed calls of a throw-away copy on a small array, a matrix for the methods
+    that work per matrix (:func:`~horovod_compress.compressors.auto_measure.preload`). That
+    one-off start-up of a process (0.5-0.9 s per method on 4 ranks sharing 2 cores) is not
+    training: left in, a run of a hundred steps would count it against every method but dense."""
+    from ...compressors.auto_measure import preload
+    methods = list(getattr(method, "candidates", {}).values()) or [method]
+    rng = np.random.default_rng(0)
+    comm.barrier()
+    t0 = time.perf_counter()
+    for m in methods:
+        shape = (128, 64) if m.layout == "matrix" else (8192,)
+        preload([m], rng.standard_normal(shape).astype(np.float32), "tta#load", comm)
+    comm.barrier()
+    return time.perf_counter() - t0
+
+
 def train_to_target(args: argparse.Namespace, comm: Any, progress: Any = None) -> dict[str, Any]:
     """Train with ``args.method`` for at most ``args.steps`` steps, stopping at the first evaluation
     whose validation loss is at or below ``args.target``; the curve and the run's figures."""
@@ -64,6 +83,7 @@ def train_to_target(args: argparse.Namespace, comm: Any, progress: Any = None) -
     model = build_gpt(args.model)
     opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=args.lr),
                                named_parameters=model.named_parameters(), compression=method, comm=comm)
+    loading_s = load_kernels(method, comm)
     curve = [{"step": 0, "time_s": 0.0, "val_bpb": evaluate(model, comm, vx, vy)}]
     train_s, reached = 0.0, None
     step = 0
@@ -89,7 +109,7 @@ def train_to_target(args: argparse.Namespace, comm: Any, progress: Any = None) -
     return {"method": args.method, "seed": args.seed, "world_size": comm.size, "model": args.model,
             "parameters": parameter_count(model), "batch": cfg.batch, "seq": cfg.seq, "lr": args.lr, "max_steps": args.steps,
             "target_bpb": args.target, "eval_every": args.eval_every, "curve": curve,
-            "steps_run": step, "train_s": train_s, "step_s": train_s / max(step, 1),
+            "steps_run": step, "train_s": train_s, "step_s": train_s / max(step, 1), "loading_s": loading_s,
             "final_val_bpb": curve[-1]["val_bpb"], "method_params": method.config(),
             **({"decisions": {b: d["chosen"] for b, d in method.decisions().items()}}
                if callable(getattr(method, "decisions", None)) else {}),
