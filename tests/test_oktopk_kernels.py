@@ -127,6 +127,30 @@ def test_local_region_boundaries_split_the_local_topk_evenly():
     assert local_region_boundaries(np.array([], np.int64), 10, 4).tolist() == [0, 2, 5, 7, 10]
 
 
+def test_union_region_boundaries_split_local_and_global_together():
+    """Each region holds an equal share of the local top-k and the last global top-k counted
+    together: the merged multiset's quantiles, found without merging (random cases against a
+    sort), and the paper's local split when there is no global top-k yet."""
+    from horovod_compress.mpi_collectives.oktopk import local_region_boundaries, union_region_boundaries
+
+    local = np.array([3, 10, 11, 40, 41, 42, 90, 95])
+    glob = np.array([0, 1, 2, 4, 5, 6, 7, 8])          # the reduced sums' large entries all low
+    b = union_region_boundaries(local, glob, 100, 4)
+    assert b.tolist() == [0, 4, 8, 41, 100]            # 4 of the 16 indices in each region
+    both = np.sort(np.concatenate([local, glob]))
+    assert np.diff(np.searchsorted(both, b)).tolist() == [4, 4, 4, 4]
+    assert union_region_boundaries(local, None, 100, 4).tolist() == local_region_boundaries(local, 100, 4).tolist()
+    rng = np.random.default_rng(7)
+    for _ in range(200):
+        n, p = int(rng.integers(1, 5000)), int(rng.integers(1, 9))
+        a = np.sort(rng.choice(n, int(rng.integers(0, min(n, 300) + 1)), replace=False))
+        g = np.sort(rng.choice(n, int(rng.integers(1, min(n, 300) + 1)), replace=False))
+        m = np.sort(np.concatenate([a, g]))
+        j = np.arange(1, p)
+        want = np.concatenate([[0], m[(j * m.size) // p], [n]])
+        assert union_region_boundaries(a, g, n, p).tolist() == want.tolist()
+
+
 @pytest.mark.parametrize("p,bucket", [(1, 4), (2, 1), (5, 2), (8, 4), (9, 4)])
 def test_rotation_schedule_has_no_hot_spot_and_matching_buckets(p, bucket):
     from horovod_compress.mpi_collectives.oktopk import rotation_schedule

@@ -145,6 +145,41 @@ def local_region_boundaries(sorted_indices: np.ndarray, n: int, nranks: int) -> 
     return out
 
 
+def union_region_boundaries(local_sorted: np.ndarray, global_sorted: np.ndarray | None, n: int,
+                            nranks: int) -> np.ndarray:
+    """This rank's proposal of P regions holding equal shares of its local top-k **and** the last
+    global top-k together (ours): ``b_j`` = the ``floor(j m / P)``-th smallest of the m indices of
+    both (ascending arrays; the union counted with repeats, found by bisection on the index,
+    without merging them).
+
+    Region j's owner receives the peers' local entries in it (split and reduce) and sends the
+    global entries in it to every peer (the point-to-point gather): its work grows with
+    ``L_j + G_j``. The paper's boundaries (:func:`local_region_boundaries`) balance ``L_j``
+    alone, and where the reduced sums' large entries gather in a few regions (a transformer's
+    embedding gradients, say) one region's global part can exceed the gather's cap and force
+    the fallback round. Every rank holds the same last global top-k, so its indices pull every
+    proposal the same way. ``global_sorted`` ``None`` or empty: :func:`local_region_boundaries`.
+    """
+    if global_sorted is None or global_sorted.size == 0:
+        return local_region_boundaries(local_sorted, n, nranks)
+    a = np.asarray(local_sorted, dtype=np.int64)
+    b = np.asarray(global_sorted, dtype=np.int64)
+    m = a.size + b.size
+    ranks = (np.arange(1, nranks, dtype=np.int64) * m) // nranks      # 0-based positions
+    lo = np.zeros(nranks - 1, dtype=np.int64)
+    hi = np.full(nranks - 1, max(n - 1, 0), dtype=np.int64)
+    while np.any(lo < hi):     # the smallest x with more than ranks[j] indices <= x
+        mid = (lo + hi) // 2
+        le = np.searchsorted(a, mid, side="right") + np.searchsorted(b, mid, side="right")
+        above = le > ranks
+        hi = np.where(above, mid, hi)
+        lo = np.where(above, lo, mid + 1)
+    out = np.empty(nranks + 1, dtype=np.int64)
+    out[0], out[nranks] = 0, n
+    out[1:nranks] = lo
+    return out
+
+
 def agree_boundaries(comm: Any, proposal: np.ndarray) -> np.ndarray:
     """Average the ranks' proposals with one allreduce of P-1 int64 and round down.
 
@@ -577,6 +612,7 @@ class OkTopkSchedule:
     global_scale_up: float = 1.01   # reference: global th /= 1.01 when too few selected
     global_scale_down: float = 1.008  # reference: global th *= 1.008 when too many
     early_repartition: bool = True  # also repartition at steps 2, 3, 5, 9, ... < tau (ours)
+    repartition_with_global: bool = True  # proposals balance local + last global top-k (ours)
     local_guard: float = 2.0        # re-evaluate local_th when a reused one selects > guard*k
     global_guard: float = 2.0       # re-select exactly when a reused global_th selects > guard*k
     radix_bits: int = 13            # at most 2**radix_bits buckets per round of the exact select
@@ -793,7 +829,11 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
         """This rank's count, its largest key and (when due) its proposal of next step's boundaries."""
         msg = [np.array([count, max_key], dtype=np.int64)]
         if propose:
-            msg.append(local_region_boundaries(idx, n, p)[1:p])
+            last = scratch.get("last_global_idx") if (scratch is not None
+                                                      and schedule.repartition_with_global) else None
+            if last is not None and last.size and int(last[-1]) >= n:
+                last = None                                # another tensor size: not this one's
+            msg.append(union_region_boundaries(idx, last, n, p)[1:p])
         return np.concatenate(msg)
 
     def count_exchange(count: int, max_key: int) -> tuple[np.ndarray, int]:
@@ -875,6 +915,8 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
     # line 14: which local entries made it into u
     # (both ascending: one merge, no sort)
     involved = intersect_sorted(idx, u_idx)
+    if scratch is not None and schedule.repartition_with_global:
+        scratch["last_global_idx"] = u_idx            # for the next proposal (union_region_boundaries)
     state.local_count = int(idx.size)
     state.global_count = int(u_idx.size)
     state.local_count_reused = local_reused
@@ -886,6 +928,6 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
 __all__ = ["OkTopkResult", "OkTopkSchedule", "abs_key", "agree_boundaries", "balance",
            "balance_and_allgatherv", "balanced_shares", "complete_parts", "distributed_kth_largest_abs",
            "exchange_parts", "p2p_gather_cap",
-           "local_region_boundaries", "max_abs_key", "radix_bits_for", "radix_rounds",
+           "local_region_boundaries", "max_abs_key", "union_region_boundaries", "radix_bits_for", "radix_rounds",
            "receive_bucket", "repartition_due", "rotation_schedule", "ok_sparse_allreduce", "region_cuts",
            "split_and_reduce"]
