@@ -562,8 +562,8 @@ def test_steps_factor_weighs_the_exchange_by_the_steps_a_method_needs():
     # running Top-k, dense weighed 1.0 against Top-k's 1.2: better by 17%, past a 10% margin
     assert choose(labels, [1.0, 0.8], [0, 0.9], None, "topk", 0.1, [1.0, 1.5])[0] == "none"
     auto = hvdc.Compression.auto()
-    assert auto.steps_factors == {"none": 1.0, "fp16": 1.0, "global_qsgd": 1.2, "topk": 1.5,
-                                  "gaussiank": 1.5, "oktopk": 1.5}
+    assert auto.steps_factors == {"none": 1.0, "fp16": 1.0, "global_qsgd": 1.2, "topk": 2.3,
+                                  "gaussiank": 2.0, "oktopk": 1.5}
     assert steps_factor(hvdc.Compression.randk()) == BIASED_STEPS_FACTOR      # EF: as sparsifiers
     assert steps_factor(hvdc.Compression.topk(), {"topk": 1.1}) == 1.1
     own = hvdc.Compression.auto(candidates=["none", "topk"], steps_factors={"topk": 1.0})
@@ -572,6 +572,30 @@ def test_steps_factor_weighs_the_exchange_by_the_steps_a_method_needs():
     for bad, words in [({"powersgd": 1.2}, "not candidates"), ({"topk": 0.5}, "steps_factors")]:
         with pytest.raises(ValueError, match=words):
             hvdc.Compression.auto(candidates=["none", "topk"], steps_factors=bad)
+
+
+def test_dry_runs_continue_while_a_candidate_warms_up():
+    """A candidate whose calls keep getting faster (a fresh Top-k copy forms its threshold hint
+    over its first calls) runs again until it settles, even far above the fastest, up to
+    MAX_WARMING_CALLS calls, and its fastest call is its measurement; one that is slow but
+    settled stops after its second call; the rest run the rounds asked for."""
+    from horovod_compress.mpi_collectives import Communicator
+    comm = Communicator()                       # one process: MPI.COMM_WORLD of size 1
+    calls = {"topk": 0, "gaussiank": 0, "none": 0}
+    warming = [0.300, 0.160, 0.020, 0.019, 0.019, 0.019]
+
+    def hook(kind: str, seconds: float, nbytes: float) -> float:
+        if not kind.startswith("compress:"):
+            return 0.0
+        name = kind.split(":", 1)[1]
+        calls[name] += 1
+        return {"topk": warming[calls["topk"] - 1], "gaussiank": 0.100, "none": 0.010}[name]
+    methods = [hvdc.Compression.none(), hvdc.Compression.topk(), hvdc.Compression.gaussiank()]
+    x = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
+    got = auto_measure.measure_candidates(methods, x, "b", comm, dry_runs=2, probe_repeats=1, hook=hook)
+    assert calls == {"topk": 4, "gaussiank": 2, "none": 2}, calls     # 300, 160, 20 (still 1/3 less), 19
+    assert [round(m.compress_s, 3) for m in got] == [0.010, 0.019, 0.100]
+    assert auto_measure.MAX_WARMING_CALLS == 5 and auto_measure.WARMING_RATIO == pytest.approx(2 / 3)
 
 
 def test_drift_monitor_reference_band_and_patience():

@@ -41,11 +41,18 @@ OPS = ("allreduce", "allgather", "allgatherv", "allgather_object", "alltoall", "
        "broadcast", "p2p")
 #: Bytes of the tiny probe's message (the latency term).
 TINY_BYTES = 8
-#: After a decision's first round of dry runs, only candidates within this factor of the
-#: fastest run again (the others cannot win: their first call's one-off costs, the process's
-#: kernels loaded beforehand, are small next to such a gap); when only the fastest is left, no
-#: second round runs (it would refine the winner's own prediction, not the choice).
+#: Every candidate runs a second dry run; after it, only those within this factor of the
+#: fastest run the further rounds asked for (the others cannot win), and those still warming up
+#: (:data:`WARMING_RATIO`) run again whatever their time; when only the fastest is left, no
+#: further round runs (it would refine the winner's own prediction, not the choice).
 PRUNE_FACTOR = 1.5
+#: A candidate whose last dry run took less than this fraction of the one before is still warming
+#: up (buffers sized, a threshold hint formed: a fresh Top-k copy on 11.6M values took 319, 162,
+#: then 22 ms), so it runs again, even past ``dry_runs`` and whatever its time, up to
+#: :data:`MAX_WARMING_CALLS` calls; its fastest call counts.
+WARMING_RATIO = 2 / 3
+#: The most dry runs of one candidate at one decision, while it is still warming up.
+MAX_WARMING_CALLS = 5
 #: The error of a measurement taken without a reference (``errors=False``).
 NO_ERROR = -1.0
 #: Timing op of the per-call agreement (a wait for peers, not the method's exchange).
@@ -273,10 +280,12 @@ def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
 
     The methods run in turn, ``dry_runs`` rounds of one call each (one throw-away copy per
     method), so a slow phase of a shared machine falls on several candidates rather than on
-    all of one's calls; after the first round only those within ``prune_factor`` of the
-    fastest run again (all of them with ``None``). Each method's measurement is its fastest
-    call (a call's first one pays one-off costs: allocation, a threshold search, loading
-    compiled kernels; a call that met interference is slower, never faster). ``reference``:
+    all of one's calls; after the second round only those within ``prune_factor`` of the
+    fastest run the further rounds (all of them with ``None``), and a method whose last call took less than
+    :data:`WARMING_RATIO` of its previous one runs again whatever its time, up to
+    :data:`MAX_WARMING_CALLS` calls (it is still warming up). Each method's measurement is its
+    fastest call (a call's first ones pay one-off costs: allocation, a threshold search; a call
+    that met interference is slower, never faster). ``reference``:
     the exact average, where the caller has it; otherwise the first method whose name is
     ``none`` gives it, or one dense allreduce. ``tiny_cache``: latency probes already taken
     on this communicator (op -> seconds, this rank's); only the ops missing from it are
@@ -287,23 +296,34 @@ def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
     measured: list[Measurement | None] = [None] * len(methods)
     averages: list[Any] = [None] * len(methods)
     running = list(range(len(methods)))
-    for round_ in range(dry_runs):
+    last = [float("inf")] * len(methods)          # each method's previous call, agreed
+    rounds = max(dry_runs, MAX_WARMING_CALLS) if dry_runs > 1 else 1
+    for round_ in range(rounds):
+        now = []
         for i in running:
             m, averages[i] = dry_run(clones[i], x, name, comm, hook)
+            now.append(m.compress_s + m.mpi_s())
             best = measured[i]
-            if best is None or m.compress_s + m.mpi_s() < best.compress_s + best.mpi_s():
+            if best is None or now[-1] < best.compress_s + best.mpi_s():
                 measured[i] = m
-        if round_ == 0 and dry_runs > 1 and prune_factor is not None:
-            # a candidate PRUNE_FACTOR times slower than the fastest in the first round keeps that
-            # measurement (an overestimate only by its one-off costs); the others run again.
-            # The times are agreed first (the maximum over ranks), so every rank keeps the same.
-            first = comm.allreduce(np.array([measured[i].compress_s + measured[i].mpi_s()
-                                             for i in running], np.float64), "max") \
-                if comm.size > 1 else [measured[i].compress_s + measured[i].mpi_s() for i in running]
-            fastest = float(min(first))
-            running = [i for i, t in zip(running, first) if t <= prune_factor * fastest]
-            if len(running) < 2:
-                break
+        if round_ + 1 == rounds:
+            break
+        # the times are agreed first (the maximum over ranks), so every rank keeps the same
+        agreed = comm.allreduce(np.array(now, np.float64), "max") if comm.size > 1 else now
+        fastest = min(m.compress_s + m.mpi_s() for m in measured if m is not None)
+        asked, warming = [], []
+        for i, t in zip(running, agreed):
+            if t < WARMING_RATIO * last[i] and round_ + 1 < MAX_WARMING_CALLS:
+                warming.append(i)                 # still getting faster: it runs again
+            elif round_ == 0 or (round_ + 1 < dry_runs
+                                 and (prune_factor is None or t <= prune_factor * fastest)):
+                asked.append(i)                   # a second call; then the rounds asked for
+            last[i] = float(t)
+        if round_ > 0 and not warming and len(asked) < 2:
+            break         # only the fastest left: more rounds would refine its own prediction
+        running = sorted(asked + warming)
+        if not running:
+            break
     if reference is None:
         dense = [i for i, m in enumerate(methods) if m.name == "none"]
         if dense:
