@@ -51,6 +51,15 @@ class SyntheticLink:
         return ALPHA + nbytes / self.rate
 
 
+def _auto(**kw):
+    """``Compression.auto`` ranking by exchange time alone (every steps factor 1): the cases below
+    time synthetic links and test the measuring, the windows and the switches; the weighing by
+    steps has its own test (``test_steps_factor_weighs_the_exchange_by_the_steps_a_method_needs``)."""
+    names = [c if isinstance(c, str) else c.name for c in kw["candidates"]]
+    kw.setdefault("steps_factors", {c: 1.0 for c in names})
+    return hvdc.Compression.auto(**kw)
+
+
 def _grad(rank: int, step: int, n: int = N_SYN) -> np.ndarray:
     return np.random.default_rng(1000 * step + rank).standard_normal(n).astype(np.float32)
 
@@ -116,7 +125,7 @@ def case_crafted_disagreement_yields_one_decision(comm):
     own_pick = choose(labels, [predict_exchange(lb, m, comm.size) for lb, m in zip(labels, own)],
                       [m.error for m in own], None)[0]
     picks = comm.allgather_object(own_pick)
-    method = hvdc.Compression.auto(candidates=labels, dry_runs=1, probe_repeats=1, measure_hook=hook)
+    method = _auto(candidates=labels, dry_runs=1, probe_repeats=1, measure_hook=hook)
     out = method.allreduce(x, "b", comm)
     assert same_on_all_ranks(comm, _bits(out))
     gathered = _chosen_everywhere(comm, method)
@@ -138,9 +147,8 @@ def case_drift_redecides_with_hysteresis(comm):
     there, by 50%, but not by the switch margin of 60%). Exchange time alone (Top-k's steps
     factor 1): the windows' mechanics, not the weighing."""
     link = SyntheticLink()
-    method = hvdc.Compression.auto(candidates=["none", "topk"], window=5, patience=2, band=0.5,
+    method = _auto(candidates=["none", "topk"], window=5, patience=2, band=0.5,
                                    switch_margin=0.6, dry_runs=2, probe_repeats=1, measure_hook=link,
-                                   steps_factors={"topk": 1.0},
                                    link_every=0)      # the windows alone (the link check: below)
 
     def rate(t: int) -> float:
@@ -159,7 +167,7 @@ def case_drift_redecides_with_hysteresis(comm):
 def case_switch_flushes_the_residual(comm):
     """Top-k's residual e_i at the switch to dense is exchanged in the next step: out = avg(g + e)."""
     link = SyntheticLink(SLOW)
-    method = hvdc.Compression.auto(candidates=["none", "topk"], window=2, patience=1, band=0.5,
+    method = _auto(candidates=["none", "topk"], window=2, patience=1, band=0.5,
                                    switch_margin=0.0, dry_runs=1, probe_repeats=1, measure_hook=link)
     for t in range(1, 5):                     # slow: Top-k; windows close at calls 2 and 4
         method.allreduce(_grad(comm.rank, t), "b", comm)
@@ -186,9 +194,9 @@ def case_error_budget_excludes_a_faster_method(comm):
     """On a slow link Top-k is predicted fastest, but its measured one-step error (about 0.9 at
     1% density from a zero residual) exceeds a budget of 0.5: dense is chosen, and the table says why."""
     link = SyntheticLink(SLOW)
-    free = hvdc.Compression.auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
+    free = _auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
                                  measure_hook=link)
-    bounded = hvdc.Compression.auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
+    bounded = _auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
                                     error_budget=0.5, measure_hook=link)
     g = _grad(comm.rank, 1)
     free.allreduce(g, "b", comm)
@@ -210,7 +218,7 @@ def case_checkpoint_after_switch_resumes_bit_identical(comm):
         return SLOW if 6 <= t <= 30 else FAST
 
     def fresh(link):
-        return hvdc.Compression.auto(candidates=["none", "topk"], window=3, patience=2, band=0.5,
+        return _auto(candidates=["none", "topk"], window=3, patience=2, band=0.5,
                                      switch_margin=0.0, dry_runs=1, probe_repeats=1, measure_hook=link)
     link_a = SyntheticLink()
     a = fresh(link_a)
@@ -235,7 +243,7 @@ def case_torch_optimizer_with_auto(comm):
     from horovod_compress.torch import DistributedOptimizer
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 10))
-    method = hvdc.Compression.auto(candidates=["none", "fp16", "topk"], dry_runs=1, probe_repeats=1,
+    method = _auto(candidates=["none", "fp16", "topk"], dry_runs=1, probe_repeats=1,
                                    min_numel=1024)
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                named_parameters=model.named_parameters(), compression=method)
@@ -258,7 +266,7 @@ def case_bound_rules_out_and_shapes_share(comm):
     second bucket of the same values reuses the measurement, one of another size measures."""
     from horovod_compress.compressors.auto_bound import BOUND_DIVISOR, BOUND_MIN_SLICE
     n = BOUND_DIVISOR * BOUND_MIN_SLICE
-    method = hvdc.Compression.auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
+    method = _auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
                                    measure_hook=SyntheticLink(SLOW))
     for bucket in ("a", "b"):
         method.allreduce(_grad(comm.rank, 1, n), bucket, comm)
@@ -284,7 +292,7 @@ def case_drift_recheck_on_slices(comm):
     n = BOUND_DIVISOR * BOUND_MIN_SLICE
     link = SyntheticLink(SLOW)
     COMPRESS_S.setdefault("gaussiank", 5e-3)     # the slowest to compress on this link
-    method = hvdc.Compression.auto(candidates=["none", "topk", "gaussiank"], window=2, patience=1,
+    method = _auto(candidates=["none", "topk", "gaussiank"], window=2, patience=1,
                                    band=0.5, dry_runs=1, probe_repeats=1, measure_hook=link)
     for t in range(1, 5):            # Top-k; the window of calls 2-3 is the reference
         method.allreduce(_grad(comm.rank, t, n), "b", comm)
@@ -318,7 +326,7 @@ def case_many_switches_conserve_the_gradient(comm):
     = sum_t avg_r(g_t,r), to float32 rounding (EF14 with every hand-over)."""
     COMPRESS_S.setdefault("gaussiank", 5e-3)
     link = SyntheticLink(SLOW)
-    method = hvdc.Compression.auto(candidates=["none", "topk", "gaussiank"], window=2, patience=1,
+    method = _auto(candidates=["none", "topk", "gaussiank"], window=2, patience=1,
                                    band=0.3, switch_margin=0.0, dry_runs=1, probe_repeats=1,
                                    measure_hook=link)
     sent = np.zeros(N_SYN)
@@ -356,7 +364,7 @@ def case_link_change_redecides(comm):
     at call 50 and the bucket switches from Top-k to dense; the drift windows alone do not. A
     checkpoint taken between the two strikes resumes the same decisions and bits."""
     def fresh(link, **kw):
-        return hvdc.Compression.auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
+        return _auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
                                      measure_hook=link, **kw)
     blind_link = SyntheticLink()
     blind = fresh(blind_link, link_every=0)
@@ -391,7 +399,7 @@ def case_link_noise_inside_the_band(comm):
     def noisy(kind: str, seconds: float, nbytes: float) -> float:
         t = base(kind, seconds, nbytes)
         return t * rng.uniform(1.0, 1.4) if kind == "link" else t
-    method = hvdc.Compression.auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
+    method = _auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
                                    measure_hook=noisy)
     for t in range(1, 101):
         method.allreduce(_grad(comm.rank, t), "b", comm)
@@ -412,14 +420,36 @@ def case_link_backoff(comm):
             checks[0] += 1
             return base(kind, seconds, nbytes) * 3.0 ** checks[0]
         return base(kind, seconds, nbytes)
-    method = hvdc.Compression.auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
+    method = _auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1,
                                    measure_hook=growing)
     for t in range(1, 141):
         method.allreduce(_grad(comm.rank, t), "b", comm)
     return {"log": [(d["step"], d["chosen"], d["reason"]) for d in method.decision_log()]}
 
 
-CORE_CASES = [case_all_ranks_choose_the_same, case_crafted_disagreement_yields_one_decision,
+def case_dry_runs_prune_on_agreed_times(comm):
+    """Three dry runs with a rank whose own timings would prune Top-k after its second call
+    (its dense is 3x faster than the others'): the pruning reads the agreed times (the maximum
+    over ranks), so every rank runs the same calls -- no rank waits in a collective the others
+    never enter -- and all hold the same measurements."""
+    calls = {"none": 0, "topk": 0}
+
+    def hook(kind: str, seconds: float, nbytes: float) -> float:
+        if not kind.startswith("compress:"):
+            return 0.0
+        name = kind.split(":", 1)[1]
+        calls[name] += 1
+        if name == "none":
+            return 0.010 if comm.rank == 0 else 0.025
+        return 0.030
+    methods = [hvdc.Compression.none(), hvdc.Compression.topk()]
+    x = _grad(comm.rank, 1)
+    got = auto_measure.measure_candidates(methods, x, "b", comm, dry_runs=3, probe_repeats=1, hook=hook)
+    assert calls == {"none": 3, "topk": 3}, calls       # 0.030 <= 1.5 x the agreed 0.025
+    return {"calls": calls, "times": [m.compress_s for m in got]}
+
+
+CORE_CASES = [case_all_ranks_choose_the_same, case_dry_runs_prune_on_agreed_times, case_crafted_disagreement_yields_one_decision,
               case_drift_redecides_with_hysteresis, case_switch_flushes_the_residual,
               case_error_budget_excludes_a_faster_method,
               case_checkpoint_after_switch_resumes_bit_identical, case_bound_rules_out_and_shapes_share,
@@ -437,6 +467,11 @@ def test_all_ranks_choose_the_same(mpi):
     out = mpi[case_all_ranks_choose_the_same]
     assert all(v == out[0] for v in out.values())
     assert out[0]["decisions"] == 2          # the bucket and the tiny one, each decided once
+
+
+def test_dry_runs_prune_on_agreed_times(mpi):
+    out = mpi[case_dry_runs_prune_on_agreed_times]
+    assert all(v == {"calls": {"none": 3, "topk": 3}, "times": [0.025, 0.030]} for v in out.values()), out
 
 
 def test_crafted_disagreement_yields_one_decision(mpi):

@@ -297,6 +297,7 @@ def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
     averages: list[Any] = [None] * len(methods)
     running = list(range(len(methods)))
     last = [float("inf")] * len(methods)          # each method's previous call, agreed
+    best_agreed = [float("inf")] * len(methods)   # each method's fastest call, agreed
     rounds = max(dry_runs, MAX_WARMING_CALLS) if dry_runs > 1 else 1
     for round_ in range(rounds):
         now = []
@@ -310,7 +311,9 @@ def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
             break
         # the times are agreed first (the maximum over ranks), so every rank keeps the same
         agreed = comm.allreduce(np.array(now, np.float64), "max") if comm.size > 1 else now
-        fastest = min(m.compress_s + m.mpi_s() for m in measured if m is not None)
+        for i, t in zip(running, agreed):
+            best_agreed[i] = min(best_agreed[i], float(t))
+        fastest = min(best_agreed)                # the same on every rank: agreed times only
         asked, warming = [], []
         for i, t in zip(running, agreed):
             if t < WARMING_RATIO * last[i] and round_ + 1 < MAX_WARMING_CALLS:
