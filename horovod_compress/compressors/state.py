@@ -167,13 +167,14 @@ class OkTopkState(TensorState):
     every ``tau`` steps, reused in between."""
 
     __slots__ = ("local_th", "global_th", "boundaries", "next_boundaries", "next_boundaries_step",
-                 "local_count", "global_count", "local_count_reused", "global_count_reused")
+                 "last_global", "local_count", "global_count", "local_count_reused",
+                 "global_count_reused")
     FIELDS = (("local_th", "local_th"), ("boundaries", "boundaries"),
               ("global_th", "global_th"), ("local_count", "local_count"),
               ("global_count", "global_count"), ("local_count_reused", "local_count_reused"),
               ("global_count_reused", "global_count_reused"),
               ("next_boundaries", "next_boundaries"),
-              ("next_boundaries_step", "next_boundaries_step"))
+              ("next_boundaries_step", "next_boundaries_step"), ("last_global", "last_global"))
 
     #: The local threshold ``th`` (Algorithm 1, line 4): |acc| >= th selects about k entries of
     #: this rank; exact on the first step of a ``tau'`` period, scaled toward k in between (float).
@@ -188,6 +189,10 @@ class OkTopkState(TensorState):
     next_boundaries: Any
     #: The step the boundaries in ``next_boundaries`` are for (int).
     next_boundaries_step: int | None
+    #: The last step's global top-k indices (int64, ascending, the same on every rank), which
+    #: the next boundary proposal splits together with the local top-k (ours; in checkpoints, so
+    #: a resumed run proposes the same boundaries).
+    last_global: Any
     #: Entries the last step selected locally / globally (ints). Diagnostics.
     local_count: int | None
     global_count: int | None

@@ -829,10 +829,11 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
         """This rank's count, its largest key and (when due) its proposal of next step's boundaries."""
         msg = [np.array([count, max_key], dtype=np.int64)]
         if propose:
-            last = scratch.get("last_global_idx") if (scratch is not None
-                                                      and schedule.repartition_with_global) else None
-            if last is not None and last.size and int(last[-1]) >= n:
-                last = None                                # another tensor size: not this one's
+            last = state.last_global if schedule.repartition_with_global else None
+            if last is not None:
+                last = np.asarray(last, dtype=np.int64)
+                if last.size and int(last[-1]) >= n:
+                    last = None                            # another tensor size: not this one's
             msg.append(union_region_boundaries(idx, last, n, p)[1:p])
         return np.concatenate(msg)
 
@@ -915,8 +916,10 @@ def ok_sparse_allreduce(comm: Any, acc: np.ndarray, k: int, step: int,
     # line 14: which local entries made it into u
     # (both ascending: one merge, no sort)
     involved = intersect_sorted(idx, u_idx)
-    if scratch is not None and schedule.repartition_with_global:
-        scratch["last_global_idx"] = u_idx            # for the next proposal (union_region_boundaries)
+    # the next step proposes step + 2's boundaries when one is due then (union_region_boundaries)
+    state.last_global = (np.array(u_idx, dtype=np.int64, copy=True)
+                         if schedule.repartition_with_global and p > 1
+                         and repartition_due(step + 2, schedule) else None)
     state.local_count = int(idx.size)
     state.global_count = int(u_idx.size)
     state.local_count_reused = local_reused
