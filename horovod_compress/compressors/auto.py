@@ -421,7 +421,7 @@ class Auto(Method):
                 table: dict[str, dict[str, Any]], current: Decision | None) -> Decision:
         """The decision the rule of :func:`choose` takes on a table of predictions and errors."""
         labels = list(table)
-        factors = [self.steps_factors.get(lb, 1.0) for lb in labels]
+        factors = [self.steps_factors[lb] for lb in labels]
         chosen, runner, eligible = choose(labels, [table[lb]["predicted_ms"] for lb in labels],
                                           [table[lb]["error"] for lb in labels], self.error_budget,
                                           current.chosen if current else None, self.switch_margin,
@@ -440,14 +440,15 @@ class Auto(Method):
             self._tiny, self._tiny_world = {}, comm.size      # the link changed: probe it again
         labels = list(self.candidates)
         methods = list(self.candidates.values())
+        factors = [self.steps_factors[lb] for lb in labels]
         keep, sliced, scale, bounds = bound_candidates(labels, methods, x, name, comm,
                                                        probe_repeats=self.probe_repeats,
                                                        hook=self._measured, tiny_cache=self._tiny,
-                                                       factors=[self.steps_factors[lb] for lb in labels])
+                                                       factors=factors)
         if reason == "drift" and sliced is not None and current is not None \
                 and current.chosen in labels:
             cur = labels.index(current.chosen)
-            weighed = [b * self.steps_factors.get(lb, 1.0) for b, lb in zip(bounds, labels)]
+            weighed = [b * f for b, f in zip(bounds, factors)]
             if min(weighed) >= weighed[cur] * (1.0 - self.switch_margin):
                 return self._rechecked_decision(name, reason, step, comm, int(x.size), current,
                                                 labels, sliced, scale)
@@ -490,7 +491,7 @@ class Auto(Method):
         ok = [self.error_budget is None or table[lb]["error"] <= self.error_budget for lb in labels]
         for lb, eligible in zip(labels, ok):
             table[lb]["eligible"] = eligible
-            table[lb]["steps_factor"] = self.steps_factors.get(lb, 1.0)
+            table[lb]["steps_factor"] = self.steps_factors[lb]
         others = sorted((table[lb]["predicted_ms"] * table[lb]["steps_factor"], i)
                         for i, lb in enumerate(labels) if lb != current.chosen and ok[i])
         runner = labels[others[0][1]] if others else None

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ...compressors.auto_measure import preload
 from .e2e import STARTED_LINE
 from .e2e_worker import run_leaving_traceback
 from .tta_task import (MODELS, bits_per_byte, build_gpt, corpus_files, model_config, parameter_count,
@@ -53,7 +54,6 @@ def load_kernels(method: Any, comm: Any) -> float:
     that work per matrix (:func:`~horovod_compress.compressors.auto_measure.preload`). That
     one-off start-up of a process (0.5-0.9 s per method on 4 ranks sharing 2 cores) is not
     training: left in, a run of a hundred steps would count it against every method but dense."""
-    from ...compressors.auto_measure import preload
     methods = list(getattr(method, "candidates", {}).values()) or [method]
     rng = np.random.default_rng(0)
     comm.barrier()
