@@ -427,6 +427,27 @@ def case_link_backoff(comm):
     return {"log": [(d["step"], d["chosen"], d["reason"]) for d in method.decision_log()]}
 
 
+def case_drift_windows_ride_the_link_check(comm):
+    """With a link check every window (the defaults: 10 and 10), two buckets' drift windows are
+    agreed inside the checks' allreduce: no 8-byte allreduce of their own in 100 calls, and a
+    link the checks cannot see (their own allreduce keeps its time) that gets slow at call 35
+    still makes both buckets decide again by drift, dense -> Top-k, within 30 calls."""
+    link = SyntheticLink()
+
+    def hook(kind: str, seconds: float, nbytes: float) -> float:
+        return 1e-4 if kind == "link" else link(kind, seconds, nbytes)
+    method = _auto(candidates=["none", "topk"], window=10, link_every=10, patience=2, band=0.5,
+                   switch_margin=0.0, dry_runs=1, probe_repeats=1, measure_hook=hook)
+    for t in range(1, 101):
+        link.rate = FAST if t < 35 else SLOW
+        for name in ("a", "b"):
+            method.allreduce(_grad(comm.rank, t), name, comm)
+    log = [(d["bucket"], d["step"], d["chosen"], d["reason"]) for d in method.decision_log()]
+    cost = method.decision_cost()
+    return {"log": log, "agreements": cost["drift_agreements"], "checks": cost["link_checks"],
+            "changes": cost["link_changes"]}
+
+
 def case_dry_runs_prune_on_agreed_times(comm):
     """Three dry runs with a rank whose own timings would prune Top-k after its second call
     (its dense is 3x faster than the others'): the pruning reads the agreed times (the maximum
@@ -454,7 +475,8 @@ CORE_CASES = [case_all_ranks_choose_the_same, case_dry_runs_prune_on_agreed_time
               case_error_budget_excludes_a_faster_method,
               case_checkpoint_after_switch_resumes_bit_identical, case_bound_rules_out_and_shapes_share,
               case_drift_recheck_on_slices, case_many_switches_conserve_the_gradient,
-              case_link_change_redecides, case_link_noise_inside_the_band, case_link_backoff]
+              case_link_change_redecides, case_link_noise_inside_the_band, case_link_backoff,
+              case_drift_windows_ride_the_link_check]
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["P2", "P4"])
@@ -547,6 +569,17 @@ def test_link_changes_that_keep_every_method_back_off(mpi):
                             [130, "topk", "link"]] for v in out.values()), out[0]["log"]
 
 
+def test_drift_windows_ride_the_link_check(mpi):
+    out = mpi[case_drift_windows_ride_the_link_check]
+    log = out[0]["log"]
+    assert all(v["log"] == log for v in out.values())
+    assert [(b, c, r) for b, _, c, r in log] == [("a", "none", "first call"), ("b", "none", "first call"),
+                                                 ("a", "topk", "drift"), ("b", "topk", "drift")], log
+    assert all(35 < step <= 65 for _, step, _, _ in log[2:]), log
+    assert all(v["agreements"] == 0 and v["checks"] == 10 and v["changes"] == 0
+               for v in out.values()), out
+
+
 def test_torch_optimizer_with_auto():
     """Two ranks suffice for the front-end path (the cases above cover P = 4)."""
     out = run_cases(2, __file__, [case_torch_optimizer_with_auto], timeout=600)[case_torch_optimizer_with_auto]
@@ -598,7 +631,7 @@ def test_steps_factor_weighs_the_exchange_by_the_steps_a_method_needs():
     assert choose(labels, [1.0, 0.8], [0, 0.9], None, "topk", 0.1, [1.0, 1.5])[0] == "none"
     auto = hvdc.Compression.auto()
     assert auto.steps_factors == {"none": 1.0, "fp16": 1.0, "global_qsgd": 1.2, "topk": 2.3,
-                                  "gaussiank": 2.0, "oktopk": 1.5}
+                                  "deepreduce": 2.0, "oktopk": 1.5}
     assert steps_factor(hvdc.Compression.randk()) == BIASED_STEPS_FACTOR      # EF: as sparsifiers
     assert steps_factor(hvdc.Compression.topk(), {"topk": 1.1}) == 1.1
     own = hvdc.Compression.auto(candidates=["none", "topk"], steps_factors={"topk": 1.0})
@@ -650,7 +683,7 @@ def test_drift_monitor_reference_band_and_patience():
 def test_accepted_everywhere_a_method_is_and_checks_its_arguments():
     assert isinstance(as_method(hvdc.Compression.auto), Auto)
     assert hvdc.Compression.auto(candidates=["none", hvdc.Compression.fp16]).candidates.keys() == {"none", "fp16"}
-    assert "randk" not in DEFAULT_CANDIDATES
+    assert "randk" not in DEFAULT_CANDIDATES and "gaussiank" not in DEFAULT_CANDIDATES
     for bad, words in [(dict(candidates=["powersgd"]), "flat methods only"),
                        (dict(candidates=["topk", "topk"]), "once"),
                        (dict(candidates=[]), "non-empty"),

@@ -23,7 +23,9 @@ algorithm chosen by the user. ``auto`` measures and chooses:
    bucket from this call on (:mod:`.auto_decide`). Dense (``none``) and ``fp16`` are candidates, so
    when no compressor pays, one of them is chosen.
 3. Each real step's exchange time is compared with the prediction over
-   windows of ``window`` steps; ``patience`` windows in a row outside the
+   windows of ``window`` steps (the ranks agree on a complete window in the
+   next link check's allreduce, so the windows cost no collective of their
+   own); ``patience`` windows in a row outside the
    band ``band`` (a link got slower or faster) trigger a new measurement, and
    a method is replaced only by one predicted faster by ``switch_margin``.
    A new world size (an elastic reset) decides again at once.
@@ -61,10 +63,13 @@ from .registry import MethodFactory, create, register
 
 #: The default candidates, each at its paper's defaults (the biased ones with EF14 error
 #: feedback), none needing another learning rate than dense: dense, the 16-bit cast,
-#: Global-QSGD's 8-bit exponential dithering, Top-k and Gaussian-k at 1% density, Ok-Topk.
-#: Random-k is not among them: its unbiased form needs a smaller learning rate (its variance
-#: grows as n/k), so it joins only when listed.
-DEFAULT_CANDIDATES = ("none", "fp16", "global_qsgd", "topk", "gaussiank", "oktopk")
+#: Global-QSGD's 8-bit exponential dithering, Top-k at 1% density, DeepReduce (that Top-k in
+#: Huffman-coded containers), Ok-Topk. Random-k is not among them: its unbiased form needs a
+#: smaller learning rate (its variance grows as n/k). Nor is Gaussian-k: how many entries its
+#: estimated threshold selects follows the residual's distribution, so the dry runs on a
+#: bucket's first gradient do not predict its later calls (4.7 MB per step where its dry run
+#: predicted a third of that, on the e2e Transformer at P = 4). Both join only when listed.
+DEFAULT_CANDIDATES = ("none", "fp16", "global_qsgd", "topk", "deepreduce", "oktopk")
 #: Error feedback ``auto`` can carry across a switch (EF14's residual is exactly what compression
 #: has not delivered yet; EF21's trackers are not a debt that can be paid into another method).
 CARRIED_FEEDBACK = ("none", "residual")
@@ -191,6 +196,7 @@ class Auto(Method):
         self._tiny_world = 0                    # the world size they were taken at
         self._cost = {"deciding_s": 0.0, "first_s": 0.0, "first_calls_s": 0.0, "again_s": 0.0,
                       "loading_s": 0.0, "checking_s": 0.0, "link_s": 0.0, "link_checks": 0, "link_changes": 0,
+                      "drift_agreements": 0,
                       "measured": 0, "rechecked": 0, "shared": 0, "ruled_out": 0}
         self._active: Method | None = None
         self._loaded: set[str] = set()          # dtypes whose candidates this process has called
@@ -300,19 +306,44 @@ class Auto(Method):
         if st is not None and st.t <= inner.warmup_steps:
             return
         monitor = self._monitors[name]
-        if monitor.observe(seconds):
-            t0 = time.perf_counter()
-            ratio = np.array([monitor.ratio()], np.float64)
-            agreed = float(comm.allreduce(ratio, "max")[0]) if comm.size > 1 else float(ratio[0])
-            if monitor.close_window(agreed):
-                self._redecide.add(name)
-            self._cost["checking_s"] += time.perf_counter() - t0
+        if not monitor.observe(seconds):
+            return
+        # a complete window waits for the next link check, whose allreduce agrees it at no extra
+        # collective; alone (one 8-byte allreduce) without link checks at least once a window,
+        # or when the lead bucket has not been called for another link interval (its calls are
+        # the checks' clock)
+        if self._folds_drift(comm) and len(monitor.samples) < monitor.window + self.link_every:
+            return
+        t0 = time.perf_counter()
+        ratio = np.array([monitor.ratio()], np.float64)
+        agreed = float(comm.allreduce(ratio, "max")[0]) if comm.size > 1 else float(ratio[0])
+        if monitor.close_window(agreed):
+            self._redecide.add(name)
+        self._cost["checking_s"] += time.perf_counter() - t0
+        self._cost["drift_agreements"] += 1
+
+    def _folds_drift(self, comm: Any) -> bool:
+        """Whether complete drift windows are agreed in the link checks' allreduce: when a check
+        comes at least once a window (a window then waits at most ``link_every`` more calls)."""
+        return (comm.size > 1 and 0 < self.link_every <= self.window
+                and self._link_bucket is not None)
+
+    def _due_windows(self) -> list[str]:
+        """The buckets whose drift window is complete (the same on every rank: each rank counts
+        the same calls), in a fixed order."""
+        return sorted(b for b, m in self._monitors.items() if len(m.samples) >= m.window)
 
     def _check_link(self, comm: Any) -> None:
         """Time the link (:class:`.auto_link.LinkCheck`); on a change, every measured bucket
         decides again at its next call, with its latency probes taken again."""
         t0 = time.perf_counter()
-        if self._link.check(comm, min(self.link_bytes, self._link_cap), self._measured):
+        due = self._due_windows()
+        changed = self._link.check(comm, min(self.link_bytes, self._link_cap), self._measured,
+                                   [self._monitors[b].ratio() for b in due])
+        for b, agreed in zip(due, self._link.agreed):
+            if self._monitors[b].close_window(agreed):
+                self._redecide.add(b)
+        if changed:
             self._relink.update(b for b, d in self._decisions.items() if "min_numel" not in d.reason)
             self._tiny = {}
             self._link_kept = True
@@ -536,7 +567,9 @@ class Auto(Method):
         measured), ``first_calls_s`` (every
         bucket's first decision) and ``again_s`` (the decisions after a drift, a new world size
         or a new bucket size, or after a link change; the two add up to ``deciding_s``), ``checking_s`` (the drift
-        windows' agreements and the link checks), ``link_s`` (the link checks' share of it),
+        windows' agreements and the link checks), ``link_s`` (the link checks' share of it, the
+        windows they agreed included), ``drift_agreements`` (windows agreed on their own, in an
+        8-byte allreduce: without link checks, or when the lead bucket was not called),
         ``link_checks`` and ``link_changes`` (checks taken, and those that found the link
         changed), ``measured`` (decisions that measured), ``rechecked`` (drift
         re-checks the slices settled: the method stayed, no dry run on the bucket),

@@ -30,8 +30,10 @@ the current one's weighed prediction): the first half of the hysteresis.
 
 **Drift.** After a decision, every real step's exchange time (outside the
 agreement's wait) is divided by the prediction; at the end of a window of
-``window`` steps the ranks agree on the largest median of that ratio (one
-8-byte allreduce). The first window is the reference (the model's bias on
+``window`` steps the ranks agree on the largest median of that ratio (in
+the next link check's allreduce, :mod:`.auto_link`, where the windows of
+every bucket due ride along; one 8-byte allreduce of its own without link
+checks). The first window is the reference (the model's bias on
 this bucket, clamped to the band); a later window whose ratio, divided by the reference, leaves
 ``[1 / (1 + band), 1 + band]`` is a strike, and ``patience`` strikes in a
 row trigger a new measurement and decision: the second half of the

@@ -32,8 +32,8 @@ band the next one needs, up to twice ``patience`` (``Auto`` sets
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -46,10 +46,13 @@ LINK_REPEATS = 3
 LINK_KIND = "link"
 
 
-def link_seconds(comm: Any, nbytes: int, hook: MeasureHook) -> tuple[float, float]:
+def link_seconds(comm: Any, nbytes: int, hook: MeasureHook,
+                 extra: Sequence[float] = ()) -> tuple[float, float, list[float]]:
     """(seconds of one dense allreduce of ``nbytes`` bytes: the fastest of :data:`LINK_REPEATS`
     but the first, after a barrier, through ``hook``, the largest over ranks (identical on every rank); this
-    rank's seconds in the barrier, a wait for later peers that the run pays anyway)."""
+    rank's seconds in the barrier, a wait for later peers that the run pays anyway; the largest
+    over ranks of each of ``extra``, agreed in the same 8-byte-per-value allreduce: the drift
+    windows' ratios ride along)."""
     buf = np.zeros(max(nbytes // 4, 1), np.float32)
     t_wait = time.perf_counter()
     comm.barrier()
@@ -60,8 +63,9 @@ def link_seconds(comm: Any, nbytes: int, hook: MeasureHook) -> tuple[float, floa
         t0 = time.perf_counter()
         comm.allreduce(buf)
         best = min(best, time.perf_counter() - t0)
-    mine = np.array([hook(LINK_KIND, best, float(buf.nbytes))], np.float64)
-    return (float(comm.allreduce(mine, "max")[0]) if comm.size > 1 else float(mine[0])), wait
+    mine = np.array([hook(LINK_KIND, best, float(buf.nbytes)), *extra], np.float64)
+    agreed = comm.allreduce(mine, "max") if comm.size > 1 else mine
+    return float(agreed[0]), wait, [float(v) for v in agreed[1:]]
 
 
 @dataclass
@@ -75,15 +79,17 @@ class LinkCheck:
     monitor: dict[str, Any] | None = None  # a DriftMonitor's fields: its predicted_s is the reference
     checks: int = 0                       # checks taken since the process started or resumed
     waited: float = 0.0                   # the last check's wait for peers at its barrier
+    agreed: list = field(default_factory=list)   # the last check's agreed extra values
 
     def due(self, calls: int) -> bool:
         """Whether the lead bucket's ``calls``-th call checks the link."""
         return self.every > 0 and calls % self.every == 0
 
-    def check(self, comm: Any, nbytes: int, hook: MeasureHook) -> bool:
+    def check(self, comm: Any, nbytes: int, hook: MeasureHook, extra: Sequence[float] = ()) -> bool:
         """Time the link; ``True`` when ``patience`` checks in a row left the band. The seconds
-        this rank waited for its peers at the check's barrier are in :attr:`waited`."""
-        seconds, self.waited = link_seconds(comm, nbytes, hook)
+        this rank waited for its peers at the check's barrier are in :attr:`waited`; ``extra``
+        values agreed (their maximum over ranks) in the same allreduce are in :attr:`agreed`."""
+        seconds, self.waited, self.agreed = link_seconds(comm, nbytes, hook, extra)
         self.checks += 1
         if self.monitor is None or nbytes != self.nbytes:     # a new reference
             self.nbytes = nbytes
@@ -106,7 +112,7 @@ class LinkCheck:
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as plain values (checkpoints; ``checks`` is this process's count)."""
-        return {k: v for k, v in asdict(self).items() if k not in ("checks", "waited")}
+        return {k: v for k, v in asdict(self).items() if k not in ("checks", "waited", "agreed")}
 
 
 __all__ = ["LINK_KIND", "LINK_REPEATS", "LinkCheck", "link_seconds"]
