@@ -643,10 +643,11 @@ def test_steps_factor_weighs_the_exchange_by_the_steps_a_method_needs():
 
 
 def test_dry_runs_continue_while_a_candidate_warms_up():
-    """A candidate whose calls keep getting faster (a fresh Top-k copy forms its threshold hint
+    """A candidate whose calls keep getting faster (a fresh Top-k copy allocates its buffers
     over its first calls) runs again until it settles, even far above the fastest, up to
-    MAX_WARMING_CALLS calls, and its fastest call is its measurement; one that is slow but
-    settled stops after its second call; the rest run the rounds asked for."""
+    MAX_WARMING_CALLS calls, and its fastest call is its measurement; one with error feedback
+    runs at least FEEDBACK_SETTLE_CALLS calls (Gaussian-k: slow, settled, 3); dense, slow or
+    not, stops after the rounds asked for."""
     from horovod_compress.mpi_collectives import Communicator
     comm = Communicator()                       # one process: MPI.COMM_WORLD of size 1
     calls = {"topk": 0, "gaussiank": 0, "none": 0}
@@ -661,9 +662,13 @@ def test_dry_runs_continue_while_a_candidate_warms_up():
     methods = [hvdc.Compression.none(), hvdc.Compression.topk(), hvdc.Compression.gaussiank()]
     x = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
     got = auto_measure.measure_candidates(methods, x, "b", comm, dry_runs=2, probe_repeats=1, hook=hook)
-    assert calls == {"topk": 4, "gaussiank": 2, "none": 2}, calls     # 300, 160, 20 (still 1/3 less), 19
+    assert calls == {"topk": 4, "gaussiank": 3, "none": 2}, calls     # 300, 160, 20 (still 1/3 less), 19
     assert [round(m.compress_s, 3) for m in got] == [0.010, 0.019, 0.100]
     assert auto_measure.MAX_WARMING_CALLS == 5 and auto_measure.WARMING_RATIO == pytest.approx(2 / 3)
+    assert auto_measure.FEEDBACK_SETTLE_CALLS == 3
+    calls.update(topk=0, gaussiank=0, none=0)          # one dry run asked for: one call each
+    auto_measure.measure_candidates(methods, x, "b", comm, dry_runs=1, probe_repeats=1, hook=hook)
+    assert calls == {"topk": 1, "gaussiank": 1, "none": 1}, calls
 
 
 def test_drift_monitor_reference_band_and_patience():

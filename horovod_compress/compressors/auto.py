@@ -51,6 +51,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..kernels.arrays import get_array_module, is_cupy, is_gpu_array, to_device_like, to_host
+from ..kernels.dispatch import PARALLEL_MIN_SIZE
+from ..kernels.selection import SAMPLED_MIN_SIZE
 from ..params import check_float, check_int
 from ..mpi_collectives import world as _world
 from ..mpi_collectives.consistency import TensorMismatchError
@@ -77,6 +79,12 @@ CARRIED_FEEDBACK = ("none", "residual")
 #: rounds there, so they run dense without measuring.
 DEFAULT_MIN_NUMEL = 4096
 
+#: Values of the array the process's first decision preloads every candidate on (or the bucket's
+#: own size, if smaller): large enough for the kernels that only large vectors take (the sampled
+#: top-k bound from 64 Ki values, the multi-threaded kernels from 128 Ki), which a smaller array
+#: would leave to the first dry run (a Top-k copy's first call on 4 Mi values: 93 ms after a
+#: preload on 8 Ki values, 22 ms after one on 128 Ki).
+PRELOAD_NUMEL = max(BOUND_MIN_SLICE, SAMPLED_MIN_SIZE, PARALLEL_MIN_SIZE)
 #: A drift re-decision that keeps the bucket's method doubles the windows out of band the next
 #: one needs, up to this factor times ``patience`` (a switch, or any other decision, resets it).
 DRIFT_BACKOFF = 2
@@ -436,12 +444,13 @@ class Auto(Method):
 
     def _preload(self, x: Any, name: str, comm: Any) -> None:
         """The process's first measured decision for ``x``'s dtype first calls every candidate
-        twice on a small array (:func:`.auto_measure.preload`: loading compiled kernels, imports);
-        its seconds are ``loading_s`` in :meth:`decision_cost`, not part of ``deciding_s``."""
+        twice on an array of :data:`PRELOAD_NUMEL` values, or the bucket's size if smaller
+        (:func:`.auto_measure.preload`: loading compiled kernels, imports); its seconds are
+        ``loading_s`` in :meth:`decision_cost`, not part of ``deciding_s``."""
         if x.dtype.str in self._loaded:
             return
         t0 = time.perf_counter()
-        n = min(int(x.size), BOUND_MIN_SLICE)
+        n = min(int(x.size), PRELOAD_NUMEL)
         xp = get_array_module(x)
         small = xp.asarray(np.random.default_rng(self.seed).standard_normal(n), dtype=x.dtype)
         preload(list(self.candidates.values()), small, f"{name}#load", comm)
@@ -625,4 +634,5 @@ class Auto(Method):
 
 
 __all__ = ["Auto", "CARRIED_FEEDBACK", "DEFAULT_CANDIDATES", "DEFAULT_LINK_BYTES", "DEFAULT_MIN_NUMEL",
+           "PRELOAD_NUMEL",
            "DRIFT_BACKOFF"]

@@ -53,6 +53,11 @@ PRUNE_FACTOR = 1.5
 WARMING_RATIO = 2 / 3
 #: The most dry runs of one candidate at one decision, while it is still warming up.
 MAX_WARMING_CALLS = 5
+#: Dry runs a candidate with error feedback gets at least (within :data:`MAX_WARMING_CALLS`): its
+#: residual is formed by its first call and first added by its second, each allocating and
+#: faulting in an n-element buffer the later calls reuse, so its steady call is the third (a
+#: fresh Top-k copy on 4 Mi values: 21.9, 21.5, then 10.3 and 8.6 ms, kernels already loaded).
+FEEDBACK_SETTLE_CALLS = 3
 #: The error of a measurement taken without a reference (``errors=False``).
 NO_ERROR = -1.0
 #: Timing op of the per-call agreement (a wait for peers, not the method's exchange).
@@ -271,6 +276,12 @@ def agree(comm: Any, measurements: Sequence[Measurement]) -> list[Measurement]:
     return [Measurement.from_vector(row) for row in v]
 
 
+def _has_feedback(method: Any) -> bool:
+    """Whether ``method`` keeps error-feedback state between calls (its first calls form it)."""
+    feedback = getattr(method, "feedback", None)
+    return feedback is not None and getattr(feedback, "name", "none") != "none"
+
+
 def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
                        dry_runs: int, probe_repeats: int, reference: Any = None,
                        hook: MeasureHook = _identity, prune_factor: float | None = PRUNE_FACTOR,
@@ -283,7 +294,8 @@ def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
     all of one's calls; after the second round only those within ``prune_factor`` of the
     fastest run the further rounds (all of them with ``None``), and a method whose last call took less than
     :data:`WARMING_RATIO` of its previous one runs again whatever its time, up to
-    :data:`MAX_WARMING_CALLS` calls (it is still warming up). Each method's measurement is its
+    :data:`MAX_WARMING_CALLS` calls (it is still warming up), as does one with error feedback
+    until its :data:`FEEDBACK_SETTLE_CALLS`-th call (with ``dry_runs`` above 1). Each method's measurement is its
     fastest call (a call's first ones pay one-off costs: allocation, a threshold search; a call
     that met interference is slower, never faster). ``reference``:
     the exact average, where the caller has it; otherwise the first method whose name is
@@ -293,6 +305,8 @@ def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
     the errors are not measured (no dense allreduce for a reference) and read :data:`NO_ERROR`.
     """
     clones = [throwaway_copy(m) for m in methods]
+    settle = [FEEDBACK_SETTLE_CALLS if _has_feedback(m) else 0 for m in methods]
+    calls = [0] * len(methods)
     measured: list[Measurement | None] = [None] * len(methods)
     averages: list[Any] = [None] * len(methods)
     running = list(range(len(methods)))
@@ -303,6 +317,7 @@ def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
         now = []
         for i in running:
             m, averages[i] = dry_run(clones[i], x, name, comm, hook)
+            calls[i] += 1
             now.append(m.compress_s + m.mpi_s())
             best = measured[i]
             if best is None or now[-1] < best.compress_s + best.mpi_s():
@@ -316,8 +331,8 @@ def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
         fastest = min(best_agreed)                # the same on every rank: agreed times only
         asked, warming = [], []
         for i, t in zip(running, agreed):
-            if t < WARMING_RATIO * last[i] and round_ + 1 < MAX_WARMING_CALLS:
-                warming.append(i)                 # still getting faster: it runs again
+            if (t < WARMING_RATIO * last[i] or calls[i] < settle[i]) and round_ + 1 < MAX_WARMING_CALLS:
+                warming.append(i)                 # still getting faster (or settling): again
             elif round_ == 0 or (round_ + 1 < dry_runs
                                  and (prune_factor is None or t <= prune_factor * fastest)):
                 asked.append(i)                   # a second call; then the rounds asked for
@@ -344,5 +359,5 @@ def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
     return agree(comm, measured)
 
 
-__all__ = ["NO_ERROR", "OPS", "CallClock", "StepClock", "Measurement", "MeasureHook", "OpProbe", "agree", "dry_run",
+__all__ = ["FEEDBACK_SETTLE_CALLS", "NO_ERROR", "OPS", "CallClock", "StepClock", "Measurement", "MeasureHook", "OpProbe", "agree", "dry_run",
            "measure_candidates", "preload", "relative_error", "throwaway_copy", "tiny_probes"]
