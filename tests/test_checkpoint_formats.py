@@ -46,6 +46,16 @@ def _records(rank: int | None = None) -> list[dict]:
     return out
 
 
+def _params(rec: dict) -> dict:
+    """The constructor's parameters of a record's method: for ``auto``, also the candidates its
+    checkpoint holds, in their order (its default set has changed since: Gaussian-k then,
+    DeepReduce now), as a user resuming such a checkpoint passes them."""
+    params = dict(rec["params"])
+    if rec["method"] == "auto":
+        params["candidates"] = list(rec["state_dict"]["auto"]["inner"])
+    return params
+
+
 def _without_version(sd: dict) -> dict:
     """``sd`` minus the top-level ``format_version`` (and the same in auto's candidates)."""
     out = {k: v for k, v in sd.items() if k != "format_version"}
@@ -89,7 +99,7 @@ def case_v1_checkpoints_resume_bit_identical(comm):
     for rec in records:
         assert rec["world_size"] == comm.size and rec["rank"] == comm.rank
         assert "format_version" not in rec["state_dict"]          # written before versions
-        method = create(rec["method"], **rec["params"])
+        method = create(rec["method"], **_params(rec))
         method.load_state_dict(rec["state_dict"])
         # saving again gives the checkpoint it was loaded from, plus the version
         again = method.state_dict()
@@ -125,6 +135,17 @@ def test_every_method_has_a_v1_checkpoint_of_every_registered_name():
     assert names == set(hvdc.Compression.available())
 
 
+def test_auto_checkpoint_of_other_candidates_is_refused_with_the_way_to_resume_it():
+    """The version-1 ``auto`` checkpoint was saved with Gaussian-k among the default candidates;
+    today's defaults have DeepReduce instead: refused, naming the candidates to pass."""
+    rec = next(r for r in _records(0) if r["method"] == "auto")
+    with pytest.raises(ValueError, match=r"auto: checkpoint holds candidates .*'gaussiank'.*"
+                                         r"this auto has .*'deepreduce'.*; resume it with "
+                                         r"Compression\.auto\(candidates=\['none', 'fp16', "
+                                         r"'global_qsgd', 'topk', 'gaussiank', 'oktopk'\]\)"):
+        create("auto", **rec["params"]).load_state_dict(rec["state_dict"])
+
+
 def test_saved_version_and_newer_version_refused():
     method = hvdc.Compression.topk(0.1)
     rec = next(r for r in _records(0) if r["variant"] == "topk")
@@ -156,9 +177,9 @@ def test_v1_checkpoints_through_the_torch_encoding():
         buf = io.BytesIO()
         torch.save({"hvdc": to_safe_state(rec["state_dict"])}, buf)
         buf.seek(0)
-        via = create(rec["method"], **rec["params"])
+        via = create(rec["method"], **_params(rec))
         via.load_state_dict(from_safe_state(torch.load(buf, weights_only=True)["hvdc"]))
-        direct = create(rec["method"], **rec["params"])
+        direct = create(rec["method"], **_params(rec))
         direct.load_state_dict(rec["state_dict"])
         assert _same(via.state_dict(), direct.state_dict()), rec["variant"]
 
@@ -170,9 +191,9 @@ def test_v1_checkpoints_through_the_keras_encoding():
     from horovod_compress.keras.checkpoint import decode_state, encode_state
     for rec in _records(0):
         blob = encode_state(types.SimpleNamespace(state_dict=lambda rec=rec: rec["state_dict"]))
-        via = create(rec["method"], **rec["params"])
+        via = create(rec["method"], **_params(rec))
         via.load_state_dict(decode_state(blob))
-        direct = create(rec["method"], **rec["params"])
+        direct = create(rec["method"], **_params(rec))
         direct.load_state_dict(rec["state_dict"])
         assert _same(via.state_dict(), direct.state_dict()), rec["variant"]
 

@@ -612,7 +612,8 @@ class Auto(Method):
         inner = saved.get("inner", {})
         if sorted(inner) != sorted(self.candidates):
             raise ValueError(f"auto: checkpoint holds candidates {sorted(inner)}, this auto has "
-                             f"{sorted(self.candidates)}")
+                             f"{sorted(self.candidates)}; resume it with "
+                             f"Compression.auto(candidates={list(inner)})")
         for lb, m in self.candidates.items():
             m.load_state_dict(inner[lb])
         self._decisions = {b: Decision.from_dict(d) for b, d in saved.get("decisions", {}).items()}
