@@ -87,8 +87,8 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     print(f"| {run_s:.2f} | {loading:.3f} | {100 * loading / run_s:.2f}% | {first:.3f} | "
           f"{100 * first / run_s:.2f}% | {again:.3f} | {checking:.3f} | {link:.3f} | "
-          f"{100 * (deciding + checking) / run_s:.2f}% | {cost['drift_agreements']} | {cost['measured']} | {cost['rechecked']} | "
-          f"{cost['shared']} | {cost['ruled_out']} |\n")
+          f"{100 * (deciding + checking) / run_s:.2f}% | {cost['drift_agreements']} | "
+          f"{cost['measured']} | {cost['rechecked']} | {cost['shared']} | {cost['ruled_out']} |\n")
     reasons = Counter(d["reason"].split(",")[0] for d in auto.decision_log())
     print(f"Decisions at the end: {chosen}; {len(auto.decision_log())} decisions in all "
           f"({', '.join(f'{n} {r}' for r, n in sorted(reasons.items()))}); "

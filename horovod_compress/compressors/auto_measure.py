@@ -276,12 +276,6 @@ def agree(comm: Any, measurements: Sequence[Measurement]) -> list[Measurement]:
     return [Measurement.from_vector(row) for row in v]
 
 
-def _has_feedback(method: Any) -> bool:
-    """Whether ``method`` keeps error-feedback state between calls (its first calls form it)."""
-    feedback = getattr(method, "feedback", None)
-    return feedback is not None and getattr(feedback, "name", "none") != "none"
-
-
 def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
                        dry_runs: int, probe_repeats: int, reference: Any = None,
                        hook: MeasureHook = _identity, prune_factor: float | None = PRUNE_FACTOR,
@@ -305,8 +299,7 @@ def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
     the errors are not measured (no dense allreduce for a reference) and read :data:`NO_ERROR`.
     """
     clones = [throwaway_copy(m) for m in methods]
-    settle = [FEEDBACK_SETTLE_CALLS if _has_feedback(m) else 0 for m in methods]
-    calls = [0] * len(methods)
+    settle = [FEEDBACK_SETTLE_CALLS if m.feedback.name != "none" else 0 for m in methods]
     measured: list[Measurement | None] = [None] * len(methods)
     averages: list[Any] = [None] * len(methods)
     running = list(range(len(methods)))
@@ -317,7 +310,6 @@ def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
         now = []
         for i in running:
             m, averages[i] = dry_run(clones[i], x, name, comm, hook)
-            calls[i] += 1
             now.append(m.compress_s + m.mpi_s())
             best = measured[i]
             if best is None or now[-1] < best.compress_s + best.mpi_s():
@@ -330,8 +322,10 @@ def measure_candidates(methods: Sequence[Any], x: Any, name: str, comm: Any, *,
             best_agreed[i] = min(best_agreed[i], float(t))
         fastest = min(best_agreed)                # the same on every rank: agreed times only
         asked, warming = [], []
+        # a running candidate has run every round so far (one left out never returns): its
+        # calls are round_ + 1
         for i, t in zip(running, agreed):
-            if (t < WARMING_RATIO * last[i] or calls[i] < settle[i]) and round_ + 1 < MAX_WARMING_CALLS:
+            if (t < WARMING_RATIO * last[i] or round_ + 1 < settle[i]) and round_ + 1 < MAX_WARMING_CALLS:
                 warming.append(i)                 # still getting faster (or settling): again
             elif round_ == 0 or (round_ + 1 < dry_runs
                                  and (prune_factor is None or t <= prune_factor * fastest)):
