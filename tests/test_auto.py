@@ -285,6 +285,38 @@ def case_bound_rules_out_and_shapes_share(comm):
     return {"none_ms": row["predicted_ms"], "topk_error": d["a"]["candidates"]["topk"]["error"]}
 
 
+def case_slice_winner_is_dry_run_on_the_bucket(comm):
+    """A candidate the bound ruled out on its slice wins only after a dry run on the bucket. The
+    slices promise dense 1.6 ms (16 x 0.1 ms) and Top-k 16 ms (16 x 1 ms): Top-k is ruled out.
+    On the bucket dense takes 20 ms, so Top-k's slice row is now the best: it is dry-run on the
+    bucket (2 ms there) and chosen on that measurement, not on its slice's extrapolation. (The
+    shaped links of the emulated cluster mislead alike: a slice's small messages pass within
+    the shaper's burst, so every sparse slice looks cheaper than its bucket.)"""
+    from horovod_compress.compressors.auto_bound import BOUND_DIVISOR, BOUND_MIN_SLICE
+    n = BOUND_DIVISOR * BOUND_MIN_SLICE
+    # compression seconds by method, on the slice and on the bucket, told apart by the bytes of
+    # the call's last collective (the hook sees the ops before the compression time)
+    compress = {"none": (1e-4, 20e-3), "topk": (1e-3, 2e-3)}
+    bucket_bytes = {"none": 4 * n / 2, "topk": 8 * 0.01 * n / 2}
+    last = [0.0]
+
+    def hook(kind: str, seconds: float, nbytes: float) -> float:
+        if kind.startswith("compress:"):
+            name = kind.split(":")[1]
+            return compress[name][last[0] >= bucket_bytes[name]]
+        last[0] = nbytes
+        return ALPHA + nbytes / FAST
+    method = _auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1, measure_hook=hook)
+    method.allreduce(_grad(comm.rank, 1, n), "b", comm)
+    d = method.decisions()["b"]
+    assert d["chosen"] == "topk", d
+    assert d["candidates"]["topk"]["dry_run"] == "bucket", d
+    assert d["candidates"]["none"]["dry_run"] == "bucket", d
+    assert abs(d["candidates"]["topk"]["compress_ms"] - 2.0) < 1e-9, d
+    assert method.decision_cost()["ruled_out"] == 0
+    return {"predicted_ms": d["predicted_ms"]}
+
+
 def case_drift_recheck_on_slices(comm):
     """A drift whose slices still rank the running method first keeps it without a dry run on
     the bucket: its new prediction is the exchange time the last window measured."""
@@ -390,6 +422,29 @@ def case_link_change_redecides(comm):
             "link_s": cost["link_s"], "checking_s": cost["checking_s"]}
 
 
+def case_calm_link_is_checked_less_often(comm):
+    """A link calm for ten checks (calls 20-110) is checked every 30 calls (140, 170), and a
+    change after that spell (10x faster after call 145) is still noticed within 40 calls: the
+    first check out of band (170) brings the spacing back to 10, the second strike comes at
+    180. A checkpoint taken in the calm spell (call 150) resumes the same checks and bits."""
+    def fresh(link):
+        return _auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1, measure_hook=link)
+    link_a = SyntheticLink()
+    a = fresh(link_a)
+    _link_run(a, comm, link_a, range(1, 151), 145)
+    saved = pickle.dumps(a.state_dict())
+    tail_a = _link_run(a, comm, link_a, range(151, 201), 145)
+    link_b = SyntheticLink()
+    b = fresh(link_b)
+    b.load_state_dict(pickle.loads(saved))
+    tail_b = _link_run(b, comm, link_b, range(151, 201), 145)
+    for t in tail_a:
+        assert np.array_equal(_bits(tail_a[t]), _bits(tail_b[t])), f"step {t} differs after resume"
+    assert a.decision_log() == b.decision_log()
+    return {"log": [(d["step"], d["chosen"], d["reason"]) for d in a.decision_log()],
+            "checks": a.decision_cost()["link_checks"], "resumed_checks": b.decision_cost()["link_checks"]}
+
+
 def case_link_noise_inside_the_band(comm):
     """A link check that varies by up to 1.4x (each rank its own noise; band 1.0) for 100 calls
     never triggers a decision."""
@@ -474,8 +529,9 @@ CORE_CASES = [case_all_ranks_choose_the_same, case_dry_runs_prune_on_agreed_time
               case_drift_redecides_with_hysteresis, case_switch_flushes_the_residual,
               case_error_budget_excludes_a_faster_method,
               case_checkpoint_after_switch_resumes_bit_identical, case_bound_rules_out_and_shapes_share,
-              case_drift_recheck_on_slices, case_many_switches_conserve_the_gradient,
-              case_link_change_redecides, case_link_noise_inside_the_band, case_link_backoff,
+              case_slice_winner_is_dry_run_on_the_bucket, case_drift_recheck_on_slices, case_many_switches_conserve_the_gradient,
+              case_link_change_redecides, case_calm_link_is_checked_less_often,
+              case_link_noise_inside_the_band, case_link_backoff,
               case_drift_windows_ride_the_link_check]
 
 
@@ -531,6 +587,11 @@ def test_bound_rules_out_and_shapes_share(mpi):
     assert all(0.5 < v["topk_error"] < 1.1 for v in out.values())
 
 
+def test_slice_winner_is_dry_run_on_the_bucket(mpi):
+    out = mpi[case_slice_winner_is_dry_run_on_the_bucket]
+    assert len({v["predicted_ms"] for v in out.values()}) == 1 and out[0]["predicted_ms"] < 3.0, out
+
+
 def test_drift_recheck_on_slices(mpi):
     # the window after the change measured Top-k's exchange several times slower (the synthetic
     # link's bytes at a tenth of the rate, its compression time unchanged), the same on every rank
@@ -553,6 +614,14 @@ def test_link_change_redecides_within_50_steps(mpi):
     assert all(v["blind"] == [[1, "topk"]] for v in out.values())    # the windows alone: never
     assert all(v["checks"] == 10 and v["changes"] == 1 for v in out.values())
     assert all(0 < v["link_s"] <= v["checking_s"] for v in out.values())
+
+
+def test_calm_link_is_checked_less_often(mpi):
+    out = mpi[case_calm_link_is_checked_less_often]
+    # checks at 10 (reference), 20-110 (ten calm), 140, 170 (strike), 180 (strike: a change,
+    # 35 calls after it), 190 (the new reference), 200; the resumed copy ran those from 170 on
+    assert all(v["log"] == [[1, "topk", "first call"], [180, "none", "link"]] for v in out.values()), out
+    assert all(v["checks"] == 16 and v["resumed_checks"] == 4 for v in out.values()), out
 
 
 def test_link_noise_inside_the_band_does_not_redecide(mpi):

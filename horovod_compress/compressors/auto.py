@@ -34,6 +34,8 @@ algorithm chosen by the user. ``auto`` measures and chooses:
    link that changed speed shows there even where the running method's
    exchange time hides it (a compression-bound sparsifier); ``patience``
    checks in a row outside the band make every measured bucket decide again.
+   After ten checks in a row inside the band the checks come three times
+   less often, until the first one outside it.
 
 Switching a bucket from a method with EF14 error feedback hands its
 residual ``e`` (what compression has not yet delivered) to the next step:
@@ -142,7 +144,8 @@ class Auto(Method):
     switch_margin: a bucket changes method only for one predicted faster by this fraction.
     min_numel: smaller buckets run dense without measuring.
     link_every: calls of the first measured bucket between two link checks (:mod:`.auto_link`;
-        0: no link check); ``patience`` checks in a row outside ``band`` decide again.
+        0: no link check; three times as many once ten checks in a row met a calm link);
+        ``patience`` checks in a row outside ``band`` decide again.
     link_bytes: the link check's allreduce size (capped at the largest measured bucket's bytes).
     measure_hook: ``hook(kind, seconds, nbytes) -> seconds`` applied to every time measured
         (``kind``: a collective's name, or ``"compress:<method>"``); for tests and what-if runs. Not part
@@ -320,7 +323,7 @@ class Auto(Method):
         # collective; alone (one 8-byte allreduce) without link checks at least once a window,
         # or when the lead bucket has not been called for another link interval (its calls are
         # the checks' clock)
-        if self._folds_drift(comm) and len(monitor.samples) < monitor.window + self.link_every:
+        if self._folds_drift(comm) and len(monitor.samples) < monitor.window + self._link.spacing:
             return
         t0 = time.perf_counter()
         ratio = np.array([monitor.ratio()], np.float64)
@@ -332,7 +335,8 @@ class Auto(Method):
 
     def _folds_drift(self, comm: Any) -> bool:
         """Whether complete drift windows are agreed in the link checks' allreduce: when a check
-        comes at least once a window (a window then waits at most ``link_every`` more calls)."""
+        comes at least once a window at the base spacing (a window then waits at most the
+        checks' current spacing, :attr:`.auto_link.LinkCheck.spacing`, more calls)."""
         return (comm.size > 1 and 0 < self.link_every <= self.window
                 and self._link_bucket is not None)
 
@@ -347,10 +351,13 @@ class Auto(Method):
         t0 = time.perf_counter()
         due = self._due_windows()
         changed = self._link.check(comm, min(self.link_bytes, self._link_cap), self._measured,
-                                   [self._monitors[b].ratio() for b in due])
+                                   [self._monitors[b].ratio() for b in due],
+                                   self._calls[self._link_bucket])
         for b, agreed in zip(due, self._link.agreed):
             if self._monitors[b].close_window(agreed):
                 self._redecide.add(b)
+            if self._monitors[b].strikes:
+                self._link.calm = 0         # a window out of band: its next one comes soon
         if changed:
             self._relink.update(b for b, d in self._decisions.items() if "min_numel" not in d.reason)
             self._tiny = {}
@@ -494,24 +501,32 @@ class Auto(Method):
                                                 labels, sliced, scale)
             # a challenger: only it and the running method are dry-run on the bucket
             keep = sorted({cur, min(range(len(weighed)), key=lambda i: (weighed[i], i))})
-        full = measure_candidates([methods[i] for i in keep], x, name, comm, dry_runs=self.dry_runs,
-                                  probe_repeats=self.probe_repeats, hook=self._measured,
-                                  tiny_cache=self._tiny,
-                                  errors=sliced is None or self.error_budget is not None)
         measured = list(sliced) if sliced is not None else [None] * len(labels)
         scales = [scale] * len(labels)
-        for i, m in zip(keep, full):
-            if m.error == NO_ERROR:             # no reference on the bucket: the slice's error
-                m.error = sliced[i].error
-            measured[i], scales[i] = m, 1.0
         self._cost["measured"] += 1
-        self._cost["ruled_out"] += len(labels) - len(keep)
-        table = {lb: {"predicted_ms": 1e3 * predict_exchange(lb, m, comm.size, sc),
-                      "measured_ms": 1e3 * sc * (m.compress_s + m.mpi_s()),
-                      "compress_ms": 1e3 * sc * m.compress_s, "error": m.error,
-                      "dry_run": "bucket" if sc == 1.0 else f"slice 1/{sc:g}"}
-                 for lb, m, sc in zip(labels, measured, scales)}
-        return self._choice(name, reason, step, comm.size, int(x.size), table, current)
+        while True:
+            full = measure_candidates([methods[i] for i in keep], x, name, comm,
+                                      dry_runs=self.dry_runs, probe_repeats=self.probe_repeats,
+                                      hook=self._measured, tiny_cache=self._tiny,
+                                      errors=sliced is None or self.error_budget is not None)
+            for i, m in zip(keep, full):
+                if m.error == NO_ERROR:             # no reference on the bucket: the slice's error
+                    m.error = sliced[i].error
+                measured[i], scales[i] = m, 1.0
+            table = {lb: {"predicted_ms": 1e3 * predict_exchange(lb, m, comm.size, sc),
+                          "measured_ms": 1e3 * sc * (m.compress_s + m.mpi_s()),
+                          "compress_ms": 1e3 * sc * m.compress_s, "error": m.error,
+                          "dry_run": "bucket" if sc == 1.0 else f"slice 1/{sc:g}"}
+                     for lb, m, sc in zip(labels, measured, scales)}
+            decision = self._choice(name, reason, step, comm.size, int(x.size), table, current)
+            chosen = labels.index(decision.chosen)
+            if scales[chosen] == 1.0:
+                break
+            # the winner was priced on the slice alone: the candidates kept measured slower on the
+            # bucket than their slices promised, so it is dry-run on the bucket before it can win
+            keep = [chosen]
+        self._cost["ruled_out"] += sum(sc != 1.0 for sc in scales)
+        return decision
 
     def _rechecked_decision(self, name: str, reason: str, step: int, comm: Any, numel: int,
                             current: Decision, labels: list[str], sliced: list[Any],
@@ -622,8 +637,12 @@ class Auto(Method):
         self._redecide = set(saved.get("redecide", []))
         self._relink = set(saved.get("relink", []))
         link = saved.get("link", {})
+        # a checkpoint from before the calm spacing checked at multiples of link_every
+        lead = int(saved.get("calls", {}).get(saved.get("link_bucket"), 0))
         self._link = LinkCheck(self.link_every, self.band, int(link.get("patience", self.patience)),
-                               int(link.get("nbytes", 0)), link.get("monitor"))
+                               int(link.get("nbytes", 0)), link.get("monitor"), int(link.get("calm", 0)),
+                               int(link.get("last", lead - lead % max(self.link_every, 1))))
+
         self._link_kept = bool(saved.get("link_kept", True))
         self._link_bucket = saved.get("link_bucket")
         self._link_cap = int(saved.get("link_cap", 0))

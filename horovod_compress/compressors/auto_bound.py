@@ -23,6 +23,15 @@ latency term, which does not grow, is a larger share of every time, so the
 ratios between candidates are closer to 1 than on the whole bucket. The
 slice measurements are agreed over ranks (their maximum) before the model
 runs, so every rank rules out the same candidates.
+
+The extrapolation can also err the other way: on a shaped link a slice's
+messages are small enough to pass within the shaper's burst (the emulated
+cluster's token bucket holds 256 KiB), so a sparsifier's slice looks
+cheaper than its bucket (Top-k at P = 4, 100 Mbit: 158 ms extrapolated,
+423 ms on the bucket). So a ruled-out candidate is never chosen on its
+slice alone: when the kept candidates measure slower on the bucket than
+their slices promised and a ruled-out one's extrapolation becomes the best,
+it is dry-run on the bucket before the choice (``Auto``'s decision loop).
 """
 from __future__ import annotations
 

@@ -199,8 +199,10 @@ class DriftMonitor:
         return len(self.samples) >= self.window
 
     def ratio(self) -> float:
-        """This rank's window: the median of measured / predicted."""
-        return float(median(self.samples)) if self.samples else 1.0
+        """This rank's window: the median of measured / predicted over its last ``window`` steps
+        (a window agreed late, at a link check that comes less often than every ``window``
+        steps, reads the latest steps, not the older ones it held while it waited)."""
+        return float(median(self.samples[-self.window:])) if self.samples else 1.0
 
     def close_window(self, agreed_ratio: float) -> bool:
         """Start a new window after the ranks agreed on ``agreed_ratio``; ``True``: decide again."""

@@ -24,6 +24,15 @@ and ``patience`` strikes in a row mean the link changed: every measured bucket
 decides again, with its latency probes taken again. The same rule as the
 drift windows (:class:`.auto_decide.DriftMonitor` with one-sample windows):
 noise inside the band never triggers, one check outside it does not either.
+A link that stays calm is checked less often: after :data:`CALM_CHECKS`
+checks in a row inside the band, the checks come every :data:`CALM_FACTOR`
+times ``every`` calls, and the first check out of band brings them back to
+every ``every`` calls, so the strikes after it come at the base spacing. A
+change after a calm spell is then noticed within ``(CALM_FACTOR + patience
+- 1) * every`` calls (40 at the defaults: 10 calls, 2 strikes), a change
+early in the run within ``patience * every``; a check's cost, fixed whatever
+the step, weighs a third as much on a long run of short steps.
+
 A change after which no bucket switched method (the check met a loaded
 machine's phases, or the change did not matter) doubles the checks out of
 band the next one needs, up to twice ``patience`` (``Auto`` sets
@@ -42,6 +51,10 @@ from .auto_measure import MeasureHook
 
 #: Allreduces per check, back to back (the first untimed, the fastest of the others counts).
 LINK_REPEATS = 3
+#: In-band checks in a row after which the link counts as calm and is checked less often.
+CALM_CHECKS = 10
+#: A calm link is checked every this many times ``every`` calls (the first strike resets it).
+CALM_FACTOR = 3
 #: The measured kind the link check's seconds pass through ``measure_hook`` as.
 LINK_KIND = "link"
 
@@ -77,34 +90,48 @@ class LinkCheck:
     patience: int
     nbytes: int = 0                       # the probe's size the reference was taken at
     monitor: dict[str, Any] | None = None  # a DriftMonitor's fields: its predicted_s is the reference
+    calm: int = 0                         # in-band checks in a row since the reference
+    last: int = 0                         # the lead bucket's call that took the last check
     checks: int = 0                       # checks taken since the process started or resumed
     waited: float = 0.0                   # the last check's wait for peers at its barrier
     agreed: list = field(default_factory=list)   # the last check's agreed extra values
 
+    @property
+    def spacing(self) -> int:
+        """Calls of the lead bucket between two checks now: ``every``, or :data:`CALM_FACTOR`
+        times it once the link has been calm for :data:`CALM_CHECKS` checks."""
+        return self.every * (CALM_FACTOR if self.calm >= CALM_CHECKS else 1)
+
     def due(self, calls: int) -> bool:
         """Whether the lead bucket's ``calls``-th call checks the link."""
-        return self.every > 0 and calls % self.every == 0
+        return self.every > 0 and calls - self.last >= self.spacing
 
-    def check(self, comm: Any, nbytes: int, hook: MeasureHook, extra: Sequence[float] = ()) -> bool:
-        """Time the link; ``True`` when ``patience`` checks in a row left the band. The seconds
-        this rank waited for its peers at the check's barrier are in :attr:`waited`; ``extra``
-        values agreed (their maximum over ranks) in the same allreduce are in :attr:`agreed`."""
+    def check(self, comm: Any, nbytes: int, hook: MeasureHook, extra: Sequence[float] = (),
+              calls: int = 0) -> bool:
+        """Time the link at the lead bucket's ``calls``-th call; ``True`` when ``patience`` checks
+        in a row left the band. The seconds this rank waited for its peers at the check's barrier
+        are in :attr:`waited`; ``extra`` values agreed (their maximum over ranks) in the same
+        allreduce are in :attr:`agreed`."""
         seconds, self.waited, self.agreed = link_seconds(comm, nbytes, hook, extra)
         self.checks += 1
+        self.last = calls
         if self.monitor is None or nbytes != self.nbytes:     # a new reference
             self.nbytes = nbytes
             ref = DriftMonitor(max(seconds, 1e-9), 1, self.band, self.patience)
             ref.close_window(1.0)
             self.monitor = ref.as_dict()
+            self.calm = 0
             return False
         monitor = DriftMonitor(**self.monitor)
         changed = monitor.close_window(seconds / monitor.predicted_s)
         self.monitor = monitor.as_dict()
+        self.calm = self.calm + 1 if monitor.strikes == 0 else 0
         return changed
 
     def reset(self) -> None:
         """Take a new reference at the next check (after the decisions a change triggered)."""
         self.monitor = None
+        self.calm = 0
 
     def ratio(self) -> float:
         """The last check's time over the reference's (1 before any check)."""
@@ -115,4 +142,4 @@ class LinkCheck:
         return {k: v for k, v in asdict(self).items() if k not in ("checks", "waited", "agreed")}
 
 
-__all__ = ["LINK_KIND", "LINK_REPEATS", "LinkCheck", "link_seconds"]
+__all__ = ["CALM_CHECKS", "CALM_FACTOR", "LINK_KIND", "LINK_REPEATS", "LinkCheck", "link_seconds"]

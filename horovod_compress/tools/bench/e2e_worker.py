@@ -429,7 +429,8 @@ def _summary(method: Any, comm: Any, records: list[dict[str, Any]]) -> dict[str,
     summary: dict[str, Any] = {"params": method.config(), "steps_measured": len(records)}
     if callable(getattr(method, "decisions", None)):     # auto: what each bucket runs (same on every rank)
         summary["decisions"] = {b: {k: d.get(k) for k in ("chosen", "predicted_ms", "runner_up",
-                                                          "runner_up_ms", "reason")}
+                                                          "runner_up_ms", "reason", "step",
+                                                          "candidates")}
                                 for b, d in method.decisions().items()}
     for key in ("compute_s", "exchange_s", "comm_s", "compress_s", "compute_cpu_s", "compress_cpu_s",
                 "comm_cpu_s", "wait_s", "wait_cpu_s", "imbalance_s", "sent", "received"):
