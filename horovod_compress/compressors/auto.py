@@ -321,9 +321,11 @@ class Auto(Method):
             return
         # a complete window waits for the next link check, whose allreduce agrees it at no extra
         # collective; alone (one 8-byte allreduce) without link checks at least once a window,
-        # or when the lead bucket has not been called for another link interval (its calls are
-        # the checks' clock)
-        if self._folds_drift(comm) and len(monitor.samples) < monitor.window + self._link.spacing:
+        # when the lead bucket has not been called for another link interval (its calls are
+        # the checks' clock); after a strike the window that confirms it waits at most the base
+        # interval, not a calm link's longer one
+        wait = self.link_every if monitor.strikes else self._link.spacing
+        if self._folds_drift(comm) and len(monitor.samples) < monitor.window + wait:
             return
         t0 = time.perf_counter()
         ratio = np.array([monitor.ratio()], np.float64)
@@ -356,8 +358,6 @@ class Auto(Method):
         for b, agreed in zip(due, self._link.agreed):
             if self._monitors[b].close_window(agreed):
                 self._redecide.add(b)
-            if self._monitors[b].strikes:
-                self._link.calm = 0         # a window out of band: its next one comes soon
         if changed:
             self._relink.update(b for b, d in self._decisions.items() if "min_numel" not in d.reason)
             self._tiny = {}

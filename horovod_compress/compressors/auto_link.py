@@ -15,8 +15,14 @@ ranks up and drains what a traffic shaper lets through at line rate after an
 idle spell (a token bucket's burst: the emulated cluster's is 256 KiB at
 1 Gbit, so an idle link would pass a lone 256 KiB message at 10 Gbit speed),
 and of the others a call that met interference (a rank descheduled on a
-busy machine) is only ever slower. The ranks agree on the largest time (one
-8-byte allreduce), so every rank sees the same number.
+busy machine) is only ever slower. The ranks agree on the smallest time
+over ranks (one 8-byte allreduce, of the times negated under ``max``, so
+the drift windows' ratios ride in it under ``max`` too): the rank that
+entered a collective last waited for no peer, so its time is the
+collective's own, while a rank that entered early also timed its wait for a
+peer the scheduler had not run (four ranks on two cores); a link that got
+slower slows every rank's call, the last one's included. Every rank sees
+the same number.
 
 The first check after a decision is the reference; a later check whose time,
 divided by the reference, leaves ``[1 / (1 + band), 1 + band]`` is a strike,
@@ -27,7 +33,9 @@ noise inside the band never triggers, one check outside it does not either.
 A link that stays calm is checked less often: after :data:`CALM_CHECKS`
 checks in a row inside the band, the checks come every :data:`CALM_FACTOR`
 times ``every`` calls, and the first check out of band brings them back to
-every ``every`` calls, so the strikes after it come at the base spacing. A
+every ``every`` calls, so the strikes after it come at the base spacing
+(a drift window out of band is confirmed by its bucket's next window, which
+waits for a check at most ``every`` calls and is then agreed on its own). A
 change after a calm spell is then noticed within ``(CALM_FACTOR + patience
 - 1) * every`` calls (40 at the defaults: 10 calls, 2 strikes), a change
 early in the run within ``patience * every``; a check's cost, fixed whatever
@@ -62,7 +70,7 @@ LINK_KIND = "link"
 def link_seconds(comm: Any, nbytes: int, hook: MeasureHook,
                  extra: Sequence[float] = ()) -> tuple[float, float, list[float]]:
     """(seconds of one dense allreduce of ``nbytes`` bytes: the fastest of :data:`LINK_REPEATS`
-    but the first, after a barrier, through ``hook``, the largest over ranks (identical on every rank); this
+    but the first, after a barrier, through ``hook``, the smallest over ranks (identical on every rank); this
     rank's seconds in the barrier, a wait for later peers that the run pays anyway; the largest
     over ranks of each of ``extra``, agreed in the same 8-byte-per-value allreduce: the drift
     windows' ratios ride along)."""
@@ -76,9 +84,10 @@ def link_seconds(comm: Any, nbytes: int, hook: MeasureHook,
         t0 = time.perf_counter()
         comm.allreduce(buf)
         best = min(best, time.perf_counter() - t0)
-    mine = np.array([hook(LINK_KIND, best, float(buf.nbytes)), *extra], np.float64)
+    # max of the negated time: the smallest over ranks, in the allreduce that takes the extras' max
+    mine = np.array([-hook(LINK_KIND, best, float(buf.nbytes)), *extra], np.float64)
     agreed = comm.allreduce(mine, "max") if comm.size > 1 else mine
-    return float(agreed[0]), wait, [float(v) for v in agreed[1:]]
+    return -float(agreed[0]), wait, [float(v) for v in agreed[1:]]
 
 
 @dataclass
