@@ -167,6 +167,20 @@ def test_e2e_report_says_what_auto_chose_against_the_fastest_fixed_method():
     assert auto_choices([dict(run, methods={"none": {"step_s": 0.9}})], ["none"]) == []   # no auto: no lines
 
 
+def test_e2e_report_prices_auto_candidates_beside_their_fixed_rows():
+    from horovod_compress.tools.bench.e2e import auto_pricing
+    table = {"topk": {"predicted_ms": 20.0, "dry_run": "bucket", "steps_factor": 2.3},
+             "none": {"predicted_ms": 150.0, "dry_run": "slice 1/16", "steps_factor": 1.0}}
+    decision = {"chosen": "topk", "predicted_ms": 20.0, "candidates": table}
+    run = {"world_size": 2, "bandwidth": "10gbit",
+           "methods": {"none": {"exchange_s": 0.066}, "auto": {"decisions": {"bucket0": decision}}}}
+    lines = auto_pricing([run], list(run["methods"]))
+    assert lines[-2:] == ["| 2 | 10 Gbit | bucket0 | topk (chosen) | bucket | 20.0 | 2.3 | 46.0 | - |",
+                          "| 2 | 10 Gbit | bucket0 | none | slice 1/16 | 150.0 | 1 | 150.0 | 66.0 |"]
+    # a report from before the decisions recorded their tables: no lines
+    assert auto_pricing([dict(run, methods={"auto": {"decisions": {"b": {"chosen": "topk"}}}})], ["auto"]) == []
+
+
 def test_a_run_whose_ranks_never_start_fails_fast():
     """The launcher's start watchdog: a job that prints nothing is killed after --start-timeout
     (not --timeout) with its own error, which the bench answers by launching the run once more;

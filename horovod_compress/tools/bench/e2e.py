@@ -571,6 +571,36 @@ def auto_choices(runs: list[dict[str, Any]], labels: list[str]) -> list[str]:
     return ["", "What `auto` chose, per bucket, at the end of its measured steps:", ""] + out if out else []
 
 
+def auto_pricing(runs: list[dict[str, Any]], labels: list[str]) -> list[str]:
+    """Each ``auto`` decision's table beside the fixed rows of the same run: every candidate's
+    predicted exchange, what it was priced on (a dry run on the bucket, or its slice's
+    extrapolation), its steps factor and weighed time, and the exchange its own fixed row took
+    once warm (lines for the report; none when no decision recorded its table)."""
+    rows = []
+    for label in labels:
+        for r in runs:
+            decisions = r["methods"].get(label, {}).get("decisions") or {}
+            for bucket, d in decisions.items():
+                for cand, row in (d.get("candidates") or {}).items():
+                    fixed = r["methods"].get(cand, {})
+                    real = f"{1e3 * fixed['exchange_s']:.1f}" if "exchange_s" in fixed else "-"
+                    factor = row.get("steps_factor", 1.0)
+                    mark = " (chosen)" if cand == d["chosen"] else ""
+                    rows.append(f"| {r['world_size']} | {_fmt_bw(r['bandwidth'])} | {bucket} | {cand}{mark} | "
+                                f"{row.get('dry_run', '-')} | {row['predicted_ms']:.1f} | {factor:g} | "
+                                f"{factor * row['predicted_ms']:.1f} | {real} |")
+    if not rows:
+        return []
+    return ["", "How `auto` priced its candidates at its last decision in each column: the predicted "
+            "exchange (compression + communication) from dry runs on the bucket or, for a candidate "
+            "the bound ruled out, its 1/16 slice's extrapolation; weighed = predicted x the steps "
+            "factor, the smallest wins; beside it, the exchange the candidate's own fixed row took "
+            "in the same run, once warm:", "",
+            "| P | link | bucket | candidate | priced on | predicted (ms) | steps factor | weighed (ms) "
+            "| its fixed row's exchange (ms) |",
+            "|---|---|---|---|---|---:|---:|---:|---:|"] + rows
+
+
 def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
     runs = report["runs"]
     failed = report.get("failed_runs", [])
@@ -665,6 +695,7 @@ def render_markdown(report: dict[str, Any], plot: str | None = None) -> str:
             mb.append("-" if "error" in m else f"{m['bytes_per_step'] / 1e6:.2f}")
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {', '.join(mb)} |")
     lines += auto_choices(runs, labels)
+    lines += auto_pricing(runs, labels)
     lines += exchange_speedup_table(runs, labels)
     for r in runs:
         lines += ["", f"## Breakdown, P = {r['world_size']}, {_fmt_bw(r['bandwidth'])}", "",
