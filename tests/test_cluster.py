@@ -167,6 +167,18 @@ def test_e2e_report_says_what_auto_chose_against_the_fastest_fixed_method():
     assert auto_choices([dict(run, methods={"none": {"step_s": 0.9}})], ["none"]) == []   # no auto: no lines
 
 
+def test_e2e_worker_reads_parameters_with_commas_of_their_own():
+    from horovod_compress.tools.bench.e2e import _label
+    from horovod_compress.tools.bench.e2e_worker import method_specs
+    text = 'none,auto:{"steps_factors":{"topk":1,"oktopk":1}},topk:{"density":0.02}'
+    specs = method_specs(text)
+    assert [(n, p) for n, p, _ in specs] == [("none", {}), ("auto", {"steps_factors": {"topk": 1, "oktopk": 1}}),
+                                             ("topk", {"density": 0.02})]
+    # the worker's labels are the parent's, which keys the report's rows
+    assert [lb for _, _, lb in specs] == [_label(s) for s in ("none", 'auto:{"steps_factors":{"topk":1,"oktopk":1}}',
+                                                              'topk:{"density":0.02}')]
+
+
 def test_e2e_report_prices_auto_candidates_beside_their_fixed_rows():
     from horovod_compress.tools.bench.e2e import auto_pricing
     table = {"topk": {"predicted_ms": 20.0, "dry_run": "bucket", "steps_factor": 2.3},

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from ...cost_model import ONE_WAY
-from .e2e_calls import PROBE_REPEATS, RING_OP, RingTransport
+from .e2e_calls import PROBE_REPEATS, RING_OP, RingTransport, split_specs
 from .e2e_models import build_model
 from .workload import Workload, named_workload
 
@@ -423,6 +423,18 @@ def _steps(comm: Any, model: Any, workload: Workload, opt: Any, clock: "_Exchang
             write_trace(trace, timeline_path)
 
 
+def method_specs(text: str) -> list[tuple[str, dict[str, Any], str]]:
+    """``--methods`` as (name, parameters, the report's label) per item; a parameter may be a
+    JSON object with commas of its own (``auto:{"steps_factors":{"topk":1,"oktopk":1}}``)."""
+    specs = []
+    for spec in split_specs(text):
+        name, _, raw = spec.partition(":")
+        params = json.loads(raw) if raw else {}
+        label = name if not params else f"{name}({','.join(f'{k}={v}' for k, v in params.items())})"
+        specs.append((name, params, label))
+    return specs
+
+
 def _summary(method: Any, comm: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
     """Each part: the mean over ranks of the median over steps; the step: the slowest rank; ops and
     the pipelined ring's share (``transport``): rank 0's means over steps."""
@@ -531,12 +543,7 @@ def _main(args: argparse.Namespace) -> None:
     result["tensors"] = int(sum(1 for _ in model.parameters()))
     result["memcpy_s"] = memcpy_seconds(result["parameters"])
     del model
-    specs = []
-    for spec in args.methods.split(","):
-        name, _, raw = spec.partition(":")
-        params = json.loads(raw) if raw else {}
-        label = name if not params else f"{name}({','.join(f'{k}={v}' for k, v in params.items())})"
-        specs.append((name, params, label))
+    specs = method_specs(args.methods)
     # Rounds interleave the methods, so a phase in which the shared machine runs slower falls on
     # every method alike instead of on whichever was being measured then; each round builds the
     # method afresh (its untimed steps settle it again) on the next batches.
