@@ -285,6 +285,32 @@ def case_bound_rules_out_and_shapes_share(comm):
     return {"none_ms": row["predicted_ms"], "topk_error": d["a"]["candidates"]["topk"]["error"]}
 
 
+def case_link_recheck_on_slices(comm):
+    """A link check that finds a change its slices do not confirm (the check's allreduce 3x
+    slower from call 25, the collectives the candidates use unchanged: a loaded machine's
+    phase) keeps the running method without a dry run on the bucket: one measured decision,
+    one re-checked on the slices."""
+    from horovod_compress.compressors.auto_bound import BOUND_DIVISOR, BOUND_MIN_SLICE
+    n = BOUND_DIVISOR * BOUND_MIN_SLICE
+    base = SyntheticLink(SLOW)
+    calls = [0]
+
+    def hook(kind: str, seconds: float, nbytes: float) -> float:
+        t = base(kind, seconds, nbytes)
+        return 3.0 * t if kind == "link" and calls[0] >= 25 else t
+    method = _auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1, measure_hook=hook)
+    for t in range(1, 46):
+        calls[0] = t
+        method.allreduce(_grad(comm.rank, t, n), "b", comm)
+    log = [(d["step"], d["chosen"], d["reason"], d["switched"]) for d in method.decision_log()]
+    cost = method.decision_cost()
+    assert (cost["measured"], cost["rechecked"], cost["link_changes"]) == (1, 1, 1), cost
+    rechecked = method.decision_log()[1]
+    assert rechecked["candidates"]["none"]["dry_run"] == f"slice 1/{BOUND_DIVISOR}"
+    assert rechecked["candidates"]["topk"]["dry_run"] == "the last window's steps"
+    return {"log": log}
+
+
 def case_slice_winner_is_dry_run_on_the_bucket(comm):
     """A candidate the bound ruled out on its slice wins only after a dry run on the bucket. The
     slices promise dense 1.6 ms (16 x 0.1 ms) and Top-k 16 ms (16 x 1 ms): Top-k is ruled out.
@@ -529,7 +555,7 @@ CORE_CASES = [case_all_ranks_choose_the_same, case_dry_runs_prune_on_agreed_time
               case_drift_redecides_with_hysteresis, case_switch_flushes_the_residual,
               case_error_budget_excludes_a_faster_method,
               case_checkpoint_after_switch_resumes_bit_identical, case_bound_rules_out_and_shapes_share,
-              case_slice_winner_is_dry_run_on_the_bucket, case_drift_recheck_on_slices, case_many_switches_conserve_the_gradient,
+              case_slice_winner_is_dry_run_on_the_bucket, case_link_recheck_on_slices, case_drift_recheck_on_slices, case_many_switches_conserve_the_gradient,
               case_link_change_redecides, case_calm_link_is_checked_less_often,
               case_link_noise_inside_the_band, case_link_backoff,
               case_drift_windows_ride_the_link_check]
@@ -585,6 +611,13 @@ def test_bound_rules_out_and_shapes_share(mpi):
     assert len({v["none_ms"] for v in out.values()}) == 1      # agreed: the same on every rank
     # Top-k's error came from the slice (no dense reference on the bucket): about 0.9 at 1%
     assert all(0.5 < v["topk_error"] < 1.1 for v in out.values())
+
+
+def test_link_recheck_on_slices(mpi):
+    # checks at 10 (reference), 20, 30 and 40 (3x: strikes) -> call 40 re-checks on the slices
+    out = mpi[case_link_recheck_on_slices]
+    assert all(v["log"] == [[1, "topk", "first call", True], [40, "topk", "link, re-checked", False]]
+               for v in out.values()), out
 
 
 def test_slice_winner_is_dry_run_on_the_bucket(mpi):

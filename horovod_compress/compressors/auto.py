@@ -492,7 +492,10 @@ class Auto(Method):
                                                        probe_repeats=self.probe_repeats,
                                                        hook=self._measured, tiny_cache=self._tiny,
                                                        factors=factors)
-        if reason == "drift" and sliced is not None and current is not None \
+        # a drift or a link change is re-priced on the slices first (measured on the link as it
+        # is now): the running method stays without dry runs on the bucket unless another
+        # candidate's bound beats its own by the switch margin
+        if reason in ("drift", "link") and sliced is not None and current is not None \
                 and current.chosen in labels:
             cur = labels.index(current.chosen)
             weighed = [b * f for b, f in zip(bounds, factors)]
@@ -531,8 +534,8 @@ class Auto(Method):
     def _rechecked_decision(self, name: str, reason: str, step: int, comm: Any, numel: int,
                             current: Decision, labels: list[str], sliced: list[Any],
                             scale: float) -> Decision:
-        """A drift re-check the slices settled: no other candidate's bound beats the current
-        method's by the switch margin, so it stays without dry runs on the whole bucket, its
+        """A drift or link re-check the slices settled: no other candidate's bound beats the
+        current method's by the switch margin, so it stays without dry runs on the whole bucket, its
         prediction the exchange time the last window measured (the old prediction times the
         window's agreed ratio); the others keep their extrapolated rows."""
         self._cost["rechecked"] += 1
@@ -596,7 +599,7 @@ class Auto(Method):
         8-byte allreduce: without link checks, or when the lead bucket was not called),
         ``link_checks`` and ``link_changes`` (checks taken, and those that found the link
         changed), ``measured`` (decisions that measured), ``rechecked`` (drift
-        re-checks the slices settled: the method stayed, no dry run on the bucket),
+        and link re-checks the slices settled: the method stayed, no dry run on the bucket),
         ``shared`` (decisions that reused a bucket of the same shape's measurement) and
         ``ruled_out`` (candidates the bound spared a dry run on the whole bucket). Timings of
         this process, not part of the checkpoint."""
