@@ -7,7 +7,7 @@ at a barrier: :mod:`horovod_compress.tools.bench.auto_link`). At 1 Gbit the
 bucket's dense exchange takes about 130 ms and a compressor pays; at 10 Gbit
 a tenth of that, and the compressors' own work no longer does. Real links,
 real timings: the test asserts that a decision is taken again (reason
-``link`` or ``drift``) within 50 calls of each change, that the method running
+``link`` or ``drift``, re-checked on the slices or not) within 50 calls of each change, that the method running
 50 calls after the change is the one it chose, and that every rank holds the
 same decision log. Which method that decision chooses depends on what
 compression costs on the machine against the links it can emulate: on the
@@ -60,6 +60,6 @@ def test_a_reshaped_link_changes_the_decision(tmp_path):
                 round(d["runner_up_ms"] or 0.0, 1)) for d in log]
     for change, link in CHANGES.items():
         again = [d for d in log if change < d["step"] <= change + WITHIN]
-        assert again and again[0]["reason"] in ("link", "drift"), \
+        assert again and again[0]["reason"].split(",")[0] in ("link", "drift"), \
             f"no decision taken again within {WITHIN} calls of the change to {link}: {summary}"
         assert _running_at(log, change + WITHIN) == again[-1]["chosen"]
