@@ -365,8 +365,8 @@ def case_drift_recheck_on_slices(comm):
     assert d["candidates"]["topk"]["dry_run"] == "the last window's steps"
     cost = method.decision_cost()
     assert (cost["measured"], cost["rechecked"]) == (1, 1)
-    # the link turns fast: the slices rank dense first, a challenger; only it and Top-k are
-    # dry-run on the bucket, Gaussian-k keeps its slice row
+    # the link turns fast: the slices rank dense first, a challenger; it and Top-k (the running
+    # method) are dry-run on the bucket, Gaussian-k, which the bound rules out, keeps its slice row
     link.rate = FAST
     for t in range(8, 14):
         method.allreduce(_grad(comm.rank, t, n), "b", comm)
