@@ -417,6 +417,25 @@ def _link_run(method, comm, link, steps, change_at):
     return _run_steps(method, comm, link, steps, lambda t: LINK_SLOW if t <= change_at else LINK_FAST)
 
 
+def _resumed_link_run(fresh, comm, saved_at, end, change_at):
+    """Run ``fresh(link)`` for calls 1..``end`` with the link 10x faster after ``change_at``,
+    and a second one resumed from the first's checkpoint after call ``saved_at``; asserts the
+    two give the same bits and decisions after it. Returns (the first, the resumed one)."""
+    link_a = SyntheticLink()
+    a = fresh(link_a)
+    _link_run(a, comm, link_a, range(1, saved_at + 1), change_at)
+    saved = pickle.dumps(a.state_dict())
+    tail_a = _link_run(a, comm, link_a, range(saved_at + 1, end + 1), change_at)
+    link_b = SyntheticLink()
+    b = fresh(link_b)
+    b.load_state_dict(pickle.loads(saved))
+    tail_b = _link_run(b, comm, link_b, range(saved_at + 1, end + 1), change_at)
+    for t in tail_a:
+        assert np.array_equal(_bits(tail_a[t]), _bits(tail_b[t])), f"step {t} differs after resume"
+    assert a.decision_log() == b.decision_log()
+    return a, b
+
+
 def case_link_change_redecides(comm):
     """The link gets 10x faster after call 30: the link check (every 10 calls, 2 strikes) finds it
     at call 50 and the bucket switches from Top-k to dense; the drift windows alone do not. A
@@ -427,18 +446,7 @@ def case_link_change_redecides(comm):
     blind_link = SyntheticLink()
     blind = fresh(blind_link, link_every=0)
     _link_run(blind, comm, blind_link, range(1, 101), 30)
-    link_a = SyntheticLink()
-    a = fresh(link_a)
-    _link_run(a, comm, link_a, range(1, 46), 30)
-    saved = pickle.dumps(a.state_dict())
-    tail_a = _link_run(a, comm, link_a, range(46, 101), 30)
-    link_b = SyntheticLink()
-    b = fresh(link_b)
-    b.load_state_dict(pickle.loads(saved))
-    tail_b = _link_run(b, comm, link_b, range(46, 101), 30)
-    for t in tail_a:
-        assert np.array_equal(_bits(tail_a[t]), _bits(tail_b[t])), f"step {t} differs after resume"
-    assert a.decision_log() == b.decision_log()
+    a, _ = _resumed_link_run(fresh, comm, 45, 100, 30)
     log = [(d["step"], d["chosen"], d["reason"]) for d in a.decision_log()]
     gathered = comm.allgather_object(log)
     assert all(g == gathered[0] for g in gathered)
@@ -455,18 +463,7 @@ def case_calm_link_is_checked_less_often(comm):
     180. A checkpoint taken in the calm spell (call 150) resumes the same checks and bits."""
     def fresh(link):
         return _auto(candidates=["none", "topk"], dry_runs=1, probe_repeats=1, measure_hook=link)
-    link_a = SyntheticLink()
-    a = fresh(link_a)
-    _link_run(a, comm, link_a, range(1, 151), 145)
-    saved = pickle.dumps(a.state_dict())
-    tail_a = _link_run(a, comm, link_a, range(151, 201), 145)
-    link_b = SyntheticLink()
-    b = fresh(link_b)
-    b.load_state_dict(pickle.loads(saved))
-    tail_b = _link_run(b, comm, link_b, range(151, 201), 145)
-    for t in tail_a:
-        assert np.array_equal(_bits(tail_a[t]), _bits(tail_b[t])), f"step {t} differs after resume"
-    assert a.decision_log() == b.decision_log()
+    a, b = _resumed_link_run(fresh, comm, 150, 200, 145)
     return {"log": [(d["step"], d["chosen"], d["reason"]) for d in a.decision_log()],
             "checks": a.decision_cost()["link_checks"], "resumed_checks": b.decision_cost()["link_checks"]}
 
