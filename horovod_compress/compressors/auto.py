@@ -647,7 +647,6 @@ class Auto(Method):
         self._link = LinkCheck(self.link_every, self.band, int(link.get("patience", self.patience)),
                                int(link.get("nbytes", 0)), link.get("monitor"), int(link.get("calm", 0)),
                                int(link.get("last", lead - lead % max(self.link_every, 1))))
-
         self._link_kept = bool(saved.get("link_kept", True))
         self._link_bucket = saved.get("link_bucket")
         self._link_cap = int(saved.get("link_cap", 0))

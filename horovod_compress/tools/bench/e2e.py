@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ...cost_model import PROBE_OF, RING, OpCount, StepProfile, break_even_bandwidth, fit_link, predict
-from .e2e_calls import GAP_SUFFIX, PROBE_REPEATS, REST_SUFFIX, split_specs
+from .e2e_calls import GAP_SUFFIX, PROBE_REPEATS, REST_SUFFIX, parse_spec, split_specs
 
 #: The line rank 0 of :mod:`.e2e_worker` prints once every rank is in MPI.
 STARTED_LINE = "HVDC-STARTED"
@@ -362,9 +362,7 @@ def _has_calls(recorded: dict[str, Any], label: str) -> bool:
 
 def _label(spec: str) -> str:
     """The report's label of a ``--methods`` item (``name`` or ``name(k=v,...)``)."""
-    name, _, raw = spec.partition(":")
-    params = json.loads(raw) if raw else {}
-    return name if not params else f"{name}({','.join(f'{k}={v}' for k, v in params.items())})"
+    return parse_spec(spec)[2]
 
 
 def _calls_path(args: argparse.Namespace | None) -> Path:

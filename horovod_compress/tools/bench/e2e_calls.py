@@ -146,6 +146,14 @@ def split_specs(spec: str) -> list[str]:
     return [item.strip() for item in out if item.strip()]
 
 
+def parse_spec(spec: str) -> tuple[str, dict[str, Any], str]:
+    """One ``--methods`` item (``name`` or ``name:{json}``) as (name, parameters, the report's
+    label ``name`` or ``name(k=v,...)``)."""
+    name, _, raw = spec.partition(":")
+    params = json.loads(raw) if raw else {}
+    return name, params, name if not params else f"{name}({','.join(f'{k}={v}' for k, v in params.items())})"
+
+
 def call_sizes(methods: list[str], model_name: str, comm: Any,
                steps: int = RECORD_STEPS) -> dict[str, dict[str, list[float]]]:
     """``{label: {op: [max(sent, received) of each call], op + GAP_SUFFIX: [CPU s before each call],
@@ -231,9 +239,7 @@ def call_sizes(methods: list[str], model_name: str, comm: Any,
     stack.enter_context(ring.installed())
     try:
         for spec in methods:
-            name, _, raw = spec.partition(":")
-            params = json.loads(raw) if raw else {}
-            label = name if not params else f"{name}({','.join(f'{k}={v}' for k, v in params.items())})"
+            name, params, label = parse_spec(spec)
             method = create(name, **params)
             if getattr(method, "warmup_steps", 0) and "warmup_steps" not in params:
                 method = create(name, **{**params, "warmup_steps": 0})   # as hvdc bench e2e times it

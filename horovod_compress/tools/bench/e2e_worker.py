@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from ...cost_model import ONE_WAY
-from .e2e_calls import PROBE_REPEATS, RING_OP, RingTransport, split_specs
+from .e2e_calls import PROBE_REPEATS, RING_OP, RingTransport, parse_spec, split_specs
 from .e2e_models import build_model
 from .workload import Workload, named_workload
 
@@ -426,13 +426,7 @@ def _steps(comm: Any, model: Any, workload: Workload, opt: Any, clock: "_Exchang
 def method_specs(text: str) -> list[tuple[str, dict[str, Any], str]]:
     """``--methods`` as (name, parameters, the report's label) per item; a parameter may be a
     JSON object with commas of its own (``auto:{"steps_factors":{"topk":1,"oktopk":1}}``)."""
-    specs = []
-    for spec in split_specs(text):
-        name, _, raw = spec.partition(":")
-        params = json.loads(raw) if raw else {}
-        label = name if not params else f"{name}({','.join(f'{k}={v}' for k, v in params.items())})"
-        specs.append((name, params, label))
-    return specs
+    return [parse_spec(spec) for spec in split_specs(text)]
 
 
 def _summary(method: Any, comm: Any, records: list[dict[str, Any]]) -> dict[str, Any]:
