@@ -353,8 +353,8 @@ class Auto(Method):
         t0 = time.perf_counter()
         due = self._due_windows()
         changed = self._link.check(comm, min(self.link_bytes, self._link_cap), self._measured,
-                                   [self._monitors[b].ratio() for b in due],
-                                   self._calls[self._link_bucket])
+                                   self._calls[self._link_bucket],
+                                   [self._monitors[b].ratio() for b in due])
         for b, agreed in zip(due, self._link.agreed):
             if self._monitors[b].close_window(agreed):
                 self._redecide.add(b)

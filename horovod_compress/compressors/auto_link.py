@@ -115,8 +115,8 @@ class LinkCheck:
         """Whether the lead bucket's ``calls``-th call checks the link."""
         return self.every > 0 and calls - self.last >= self.spacing
 
-    def check(self, comm: Any, nbytes: int, hook: MeasureHook, extra: Sequence[float] = (),
-              calls: int = 0) -> bool:
+    def check(self, comm: Any, nbytes: int, hook: MeasureHook, calls: int,
+              extra: Sequence[float] = ()) -> bool:
         """Time the link at the lead bucket's ``calls``-th call; ``True`` when ``patience`` checks
         in a row left the band. The seconds this rank waited for its peers at the check's barrier
         are in :attr:`waited`; ``extra`` values agreed (their maximum over ranks) in the same
